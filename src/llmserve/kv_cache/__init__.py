@@ -1,0 +1,1 @@
+"""llmserve.kv_cache."""
