@@ -1,1 +1,1 @@
-"""llmserve.engine."""
+"""The engine: LLMEngine (synchronous core) and LLM (offline API)."""

@@ -1,1 +1,1 @@
-"""llmserve.worker."""
+"""Model execution on one device: the model runner and the KV cache tensors."""

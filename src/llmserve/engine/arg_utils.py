@@ -1,0 +1,151 @@
+"""EngineArgs: user-facing engine options (the LLM constructor and CLI flags)
+resolved into a validated :class:`~llmserve.config.EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, fields
+
+from llmserve.config import (
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from llmserve.utils import parse_size
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY_CAP = 2 * 1024**3  # 2 GiB
+DEFAULT_KV_CACHE_RAM_FRACTION = 0.2
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 or AMX (fast bf16 matmuls)."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # older torch
+        return False
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> bfloat16 where the device computes it natively, else float32.
+
+    Raises:
+        ValueError: for an unknown dtype.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def default_kv_cache_memory(device: str) -> int:
+    """Default KV budget: 20% of free memory, at most 2 GiB."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(min(free * 0.5, 16 * 1024**3))
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    return int(min(avail * DEFAULT_KV_CACHE_RAM_FRACTION, DEFAULT_KV_CACHE_MEMORY_CAP))
+
+
+@dataclass
+class EngineArgs:
+    """Engine options with vLLM's names. See ``llmserve generate --help``."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory: int | str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "cpu"
+    seed: int = 0
+    num_gpu_blocks_override: int | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None,
+                       help="'smollm2-135m-instruct' (default), a GGUF file, or a Hugging Face "
+                            "model directory")
+        g.add_argument("--dtype", default="auto", choices=list(SUPPORTED_DTYPES),
+                       help="weights/activations dtype; auto = bfloat16 on CPUs with native bf16")
+        g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        g.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache budget: bytes or e.g. '4GiB' (default: 20%% of free RAM, "
+                            "at most 2GiB)")
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        g.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget per engine step")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="max prompt + output tokens (default: the model's context length)")
+        g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", help="do not split long prompts across steps")
+        g.add_argument("--attention-backend", default="cpu", help="cpu (fast) or reference")
+        g.add_argument("--seed", type=int, default=0, help="global random seed")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_engine_config(self, model_config: ModelConfig, model_name: str) -> EngineConfig:
+        """Resolve ``auto`` values against the model and the machine.
+
+        Raises:
+            ValueError: naming the field, for any invalid option.
+        """
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        model_max = model_config.max_position_embeddings
+        max_model_len = self.max_model_len if self.max_model_len is not None else model_max
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's context length "
+                f"({model_max})")
+        kv_mem = (parse_size(self.kv_cache_memory, "kv_cache_memory")
+                  if self.kv_cache_memory is not None else default_kv_cache_memory(device))
+        return EngineConfig(
+            model=model_name,
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_mem,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill),
+            dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed)

@@ -1,0 +1,124 @@
+"""The offline API, as vLLM's::
+
+    from llmserve import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.engine.output_processor import RequestOutputKind
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import apply_chat_template
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Offline batched generation through the paged-KV, continuously batched engine.
+
+    Args:
+        model: ``"smollm2-135m-instruct"`` (default), a GGUF file or a HF model directory.
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
+        kv_cache_memory: KV budget in bytes or a string like ``"4GiB"``.
+        block_size, max_num_seqs, max_num_batched_tokens, max_model_len:
+            see :class:`~llmserve.engine.arg_utils.EngineArgs`.
+        **kwargs: any other :class:`EngineArgs` field.
+
+    Raises:
+        ValueError: for a bad option or a model that cannot be loaded.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto",
+                 kv_cache_memory: int | str | None = None, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory,
+                          block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, **kwargs)
+        self.engine = LLMEngine.from_engine_args(args)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt, batched; outputs in input order.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
+            sampling_params: one for all prompts, or a list with one per prompt.
+
+        Raises:
+            ValueError: for a bad prompt or parameter (no request is left queued).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(f"gen-{self._next_id}", prompt, params,
+                                                   RequestOutputKind.FINAL_ONLY))
+                self._next_id += 1
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to a conversation (or a list of them), then generate.
+
+        Raises:
+            ValueError: for malformed messages or a model without a chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": apply_chat_template(
+            self.engine.tokenizer, conv, add_generation_prompt=add_generation_prompt)}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2,
+                   dynamic_ncols=True)
+        wanted = set(ids)
+        try:
+            while len(finished) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    break
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            leftover = [i for i in ids if i not in finished]
+            if leftover:
+                self.engine.abort_request(leftover)
+        return [finished[i] for i in ids if i in finished]

@@ -1,0 +1,193 @@
+"""LLMEngine: tokenizer + scheduler + model runner + output processor, stepped
+synchronously. ``LLM`` (offline) and the async server wrap it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from llmserve.config import DTYPE_BYTES, EngineConfig
+from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmserve.kv_cache import KVCacheManager
+from llmserve.loader import iter_weights, load_model_config, resolve_model
+from llmserve.models import get_model_class
+from llmserve.outputs import RequestOutput
+from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler import Request, RequestStatus, Scheduler
+from llmserve.tokenizer import load_tokenizer
+from llmserve.utils import format_size
+from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
+
+logger = logging.getLogger("llmserve")
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    """A synchronous engine: ``add_request`` then ``step`` until done.
+
+    Build it with :meth:`from_engine_args`.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer, model: torch.nn.Module) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        mc = config.model_config
+        eos = set(mc.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        cc = config.cache_config
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.dtype)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            num_blocks = num_kv_cache_blocks(cc.kv_cache_memory, cc.block_size,
+                                             self.kv_bytes_per_token)
+        self.num_blocks = num_blocks
+        max_len = config.scheduler_config.max_model_len
+        capacity = (num_blocks - 1) * cc.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%s at %d B/token, %s); %d tokens; "
+            "max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, cc.block_size, format_size(num_blocks * cc.block_size *
+                                                   self.kv_bytes_per_token),
+            self.kv_bytes_per_token, config.dtype, capacity, max_len, capacity / max_len)
+        if capacity < max_len:
+            logger.warning("the KV cache (%d tokens) holds less than max_model_len (%d): "
+                           "long requests will be refused or cut", capacity, max_len)
+        self.runner = ModelRunner(config, model, num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config,
+                                   KVCacheManager(num_blocks, cc.block_size))
+        self.output_processor = OutputProcessor(tokenizer)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Resolve the model, load tokenizer and weights, size the KV cache.
+
+        Raises:
+            ValueError: for a bad option, an unknown model or an unsupported format.
+        """
+        t0 = time.perf_counter()
+        source = resolve_model(args.model)
+        model_config = load_model_config(source)
+        config = args.create_engine_config(model_config, source.name)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        tokenizer = load_tokenizer(source)
+        model_cls = get_model_class(model_config.architecture)
+        with torch.device(config.device):
+            model = model_cls(model_config, TORCH_DTYPES[config.dtype], config.attention_backend)
+        model.load_weights(iter_weights(source, model_config))
+        model.eval()
+        logger.info("loaded %s (%s, %s) in %.1f s", source.name, model_config.architecture,
+                    config.dtype, time.perf_counter() - t0)
+        return cls(config, tokenizer, model)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler_config.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A string, or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``).
+
+        Raises:
+            ValueError: naming ``prompt`` for empty or malformed prompts.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not ids:
+                    raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+                vocab = self.config.model_config.vocab_size
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                        raise ValueError(
+                            f"prompt_token_ids: {t!r} is not a token id in [0, {vocab})")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+        raise ValueError(
+            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """Validate and queue one request; returns its id.
+
+        ``max_tokens`` is capped at ``max_model_len - prompt length``.
+
+        Raises:
+            ValueError: naming the field (prompt, sampling parameters, length).
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported yet (use one request per sample)")
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        self.scheduler.check_request_fits(len(prompt_ids))
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.time() if arrival_time is None else arrival_time
+        req = Request(request_id, prompt_ids, params, max_tokens, self.eos_token_ids,
+                      arrival_time=arrival, priority=priority)
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params,
+                                          output_kind, arrival)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests; their blocks are freed at once. Unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort_requests(ids)
+        outs = []
+        for rid in ids:
+            self.runner.drop_request(rid)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, update, detokenize."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.total_num_scheduled_tokens == 0:
+            return []
+        first_sched = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
+                       for r in sched_out.scheduled_new_reqs}
+        try:
+            runner_out = self.runner.execute_model(sched_out)
+        except Exception:  # never let one bad batch kill the engine
+            logger.exception("model step failed; aborting the %d requests in it",
+                             len(sched_out.num_scheduled_tokens))
+            return self.abort_request(list(sched_out.num_scheduled_tokens))
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs, first_sched)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def kv_cache_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.config.dtype]

@@ -1,0 +1,149 @@
+"""Turns the engine core's token outputs into :class:`RequestOutput` objects:
+incremental detokenization, stop strings, logprobs and request metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler.output import EngineCoreOutput
+from llmserve.tokenizer import IncrementalDetokenizer
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput carries (vLLM semantics)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output, every step
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    output_kind: RequestOutputKind
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Per-request detokenization and output assembly.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (used for text and logprob tokens).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, output_kind: RequestOutputKind,
+                    arrival_time: float) -> None:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, detok, output_kind,
+            RequestMetrics(arrival_time=arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def process(self, outputs: list[EngineCoreOutput],
+                first_scheduled: dict[str, float]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs.
+
+        Returns:
+            (request outputs to emit, request ids that a stop string finished
+            and that the engine core must now stop).
+        """
+        now = time.time()
+        results: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        for co in outputs:
+            st = self.states.get(co.req_id)
+            if st is None:
+                continue
+            m = st.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = first_scheduled.get(co.req_id)
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif m.last_token_time is not None:
+                st.itl.append(now - m.last_token_time)
+            m.last_token_time = now
+            st.token_ids.extend(co.new_token_ids)
+            if co.new_logprobs is not None and st.logprobs is not None:
+                self._add_logprobs(st, co.new_logprobs)
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            stop_str = st.detokenizer.update(co.new_token_ids)
+            if stop_str is not None and finish_reason != "stop":
+                if finish_reason is None:
+                    stopped_by_string.append(co.req_id)
+                finish_reason, stop_reason = "stop", stop_str
+            out = self._make_output(st, finish_reason, stop_reason, now)
+            if out is not None:
+                results.append(out)
+            if finish_reason is not None:
+                del self.states[co.req_id]
+        return results, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request; returns its final output (finish_reason ``abort``)."""
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return None
+        return self._make_output(st, "abort", None, time.time(), force=True)
+
+    def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
+        ids, lps, rank = new
+        entry: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps)):
+            if tid in entry:
+                continue
+            entry[tid] = Logprob(lp, rank if j == 0 else j,
+                                 self.tokenizer.decode([tid], skip_special_tokens=False))
+        st.logprobs.append(entry)
+        st.cumulative_logprob += lps[0]
+
+    def _make_output(self, st: RequestState, finish_reason: str | None,
+                     stop_reason: int | str | None, now: float,
+                     force: bool = False) -> RequestOutput | None:
+        finished = finish_reason is not None
+        if finished:
+            st.metrics.finished_time = now
+        kind = st.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = st.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = st.token_ids[st.sent_tokens:]
+            logprobs = st.logprobs[st.sent_logprobs:] if st.logprobs is not None else None
+            st.sent_tokens = len(st.token_ids)
+            st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
+        else:
+            token_ids = list(st.token_ids)
+            logprobs = list(st.logprobs) if st.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids, cumulative_logprob=st.cumulative_logprob,
+            logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
+                             finished, st.metrics, itl=list(st.itl))

@@ -1,0 +1,35 @@
+"""Activation functions over fused projections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU gate (Shazeer 2020): ``silu(gate) * up`` from the fused ``[gate | up]``.
+
+    Input ``[num_tokens, 2 * intermediate_size]``, output
+    ``[num_tokens, intermediate_size]``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_ACTIVATIONS = {"silu": SiluAndMul}
+
+
+def get_act_and_mul(name: str) -> nn.Module:
+    """The gated activation for a Hugging Face ``hidden_act`` name.
+
+    Raises:
+        ValueError: for an unsupported name; the message lists the supported ones.
+    """
+    try:
+        return _ACTIVATIONS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unsupported hidden_act {name!r}; supported: {sorted(_ACTIVATIONS)}") from None

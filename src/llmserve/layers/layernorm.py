@@ -1,0 +1,36 @@
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 like Hugging Face Llama."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    The normalisation runs in float32 and is cast back to the input dtype
+    before the weight multiply, matching ``LlamaRMSNorm``. With ``residual``
+    it first adds the residual (in the input dtype) and also returns the sum,
+    the fused add-norm of vLLM's decoder layers.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: ``[num_tokens, hidden_size]``. Returns the normed x, or
+        ``(normed(x + residual), x + residual)`` when a residual is given."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

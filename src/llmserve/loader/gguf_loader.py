@@ -1,0 +1,364 @@
+"""GGUF reader: model config from metadata, weights dequantized to float32.
+
+File layout (GGUF v2/v3, little-endian; spec: ggml ``docs/gguf.md``)::
+
+    "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv      x ( string key | u32 value_type | value )
+    n_tensors x ( string name | u32 n_dims | u64 ne[n_dims] | u32 ggml_type | u64 offset )
+    padding to ``general.alignment`` (default 32)
+    tensor data (each at data_start + offset)
+
+``ne[0]`` is the innermost (contiguous) dimension, so the numpy shape is
+``ne`` reversed: a linear layer ``[ne0=in_features, ne1=out_features]``
+becomes the Hugging Face ``[out_features, in_features]``.
+
+The header is parsed here instead of with ``gguf.GGUFReader`` because that
+reader builds a numpy view per tokenizer string (~3 s for a 49k vocabulary);
+large arrays are skipped, not materialized. Dequantization uses
+``gguf.quants.dequantize`` (llama.cpp's reference formulas in numpy).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+from llmserve.config import ModelConfig
+
+_Q = GGMLQuantizationType
+SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",  # llama.cpp also stores Mistral as "llama"
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Arrays longer than this (tokenizer vocab, merges, scores) stay out of the metadata dict.
+MAX_METADATA_ARRAY_LEN = 1024
+
+# GGUF value types: id -> struct format (scalars); 8 = string, 9 = array.
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_SKIPPED_TENSORS = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's header entry: ``shape`` in numpy order (``ne`` reversed), ``offset``
+    in bytes from the start of the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+@dataclass
+class GGUFHeader:
+    """Parsed header: ``metadata`` (large arrays omitted), ``array_lengths`` of every
+    array field, and the tensor table in file order."""
+
+    path: str
+    version: int
+    metadata: dict[str, Any]
+    array_lengths: dict[str, int]
+    tensors: list[GGUFTensorInfo]
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def skip_strings(self, count: int) -> None:
+        buf, pos = self.buf, self.pos
+        for _ in range(count):
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        self.pos = pos
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _FLOAT32:  # shortest decimal that round-trips float32 (1e-05, not 9.99e-06)
+            return float(str(np.float32(self.unpack("<f"))))
+        if vtype in _SCALAR_FMT:
+            return self.unpack(_SCALAR_FMT[vtype])
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """Parse a GGUF file's header (metadata and tensor table); tensor data is not read.
+
+    Raises:
+        ValueError: not a GGUF file, unsupported version (v1, big-endian) or a corrupt header.
+    """
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mm))
+    try:
+        if bytes(cur.buf[:4]) != b"GGUF":
+            raise ValueError(f"{path!r} is not a GGUF file (bad magic)")
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path!r}: GGUF version {version} is not supported (only v2 and v3, "
+                             "little-endian)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        metadata: dict[str, Any] = {}
+        array_lengths: dict[str, int] = {}
+        for _ in range(n_kv):
+            key, vtype = cur.string(), cur.unpack("<I")
+            if vtype != _ARRAY:
+                metadata[key] = cur.value(vtype)
+                continue
+            item_type, count = cur.unpack("<I"), cur.unpack("<Q")
+            array_lengths[key] = count
+            if count <= MAX_METADATA_ARRAY_LEN:
+                metadata[key] = [cur.value(item_type) for _ in range(count)]
+            elif item_type == _STRING:
+                cur.skip_strings(count)
+            elif item_type in _SCALAR_FMT:
+                cur.pos += count * struct.calcsize(_SCALAR_FMT[item_type])
+            else:
+                raise ValueError(f"{path!r}: unsupported nested array in metadata key {key!r}")
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = cur.string(), cur.unpack("<I")
+            ne = [cur.unpack("<Q") for _ in range(n_dims)]
+            infos.append((name, tuple(reversed(ne)), cur.unpack("<I"), cur.unpack("<Q")))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+    except struct.error as e:
+        raise ValueError(f"{path!r}: truncated or corrupt GGUF header ({e})") from None
+    tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
+    return GGUFHeader(path, version, metadata, array_lengths, tensors)
+
+
+def _architecture(meta: dict[str, Any], path: str) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {path!r} is not supported; supported: "
+                         f"{', '.join(sorted(SUPPORTED_GGUF_ARCHITECTURES))}")
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(f"{path!r} is a mixture-of-experts GGUF ({arch}.expert_count="
+                         f"{meta[f'{arch}.expert_count']}); only dense models are supported")
+    return arch
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, header: GGUFHeader) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` or a Llama-3 ``rope_freqs`` tensor."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if orig:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+    freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    return None if freqs is None else _llama3_rope_scaling(header, freqs, meta, arch)
+
+
+def _llama3_rope_scaling(header: GGUFHeader, info: GGUFTensorInfo, meta: dict[str, Any],
+                         arch: str) -> dict[str, Any]:
+    """Recover HF ``rope_type: llama3`` parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp (``convert_hf_to_gguf.py``, LlamaModel.generate_extra_tensors) stores
+    ``rope_freqs[i]`` = the divisor applied to ``inv_freq[i]``. We try the published
+    Llama 3.1/3.2 settings (low_freq_factor 1, high_freq_factor 4, original context 8192)
+    with ``factor = max(rope_freqs)`` and accept them when they reproduce the tensor.
+
+    Raises:
+        ValueError: the divisors do not match any known llama3 setting.
+    """
+    stored = _read_tensor(np.memmap(header.path, dtype=np.uint8, mode="r"), info).astype(np.float64)
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    dim = 2 * stored.size
+    factor = float(stored.max())
+    cfg = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv_freq = theta ** -(np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * math.pi / inv_freq
+    old = cfg["original_max_position_embeddings"]
+    smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+    expected = np.where(wavelen < old / 4.0, 1.0,
+                        np.where(wavelen > old, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(expected, stored, rtol=1e-3):
+        raise ValueError(f"{header.path!r}: rope_freqs.weight does not match a known llama3 "
+                         "rope scaling; this GGUF's rotary scaling is not supported")
+    return cfg
+
+
+def read_gguf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a GGUF file's architecture into a :class:`ModelConfig` (HF field names).
+
+    Mapping (``{arch}`` = ``general.architecture``): ``block_count`` ->
+    num_hidden_layers, ``embedding_length`` -> hidden_size, ``feed_forward_length`` ->
+    intermediate_size, ``attention.head_count[_kv]`` -> num_[key_value_]heads,
+    ``attention.key_length`` or ``rope.dimension_count`` -> head_dim, ``rope.freq_base``
+    -> rope_theta, ``attention.layer_norm_rms_epsilon`` -> rms_norm_eps,
+    ``context_length`` -> max_position_embeddings, ``vocab_size`` (else the length of
+    ``tokenizer.ggml.tokens``), tied embeddings = no ``output.weight`` tensor,
+    attention_bias = a ``blk.0.attn_q.bias`` tensor exists.
+
+    Returns:
+        ``(config, metadata)``; ``metadata`` maps every key to its value except arrays
+        longer than :data:`MAX_METADATA_ARRAY_LEN` (tokenizer tokens, scores, merges).
+
+    Raises:
+        ValueError: unsupported architecture, MoE model, or a corrupt/unsupported file.
+    """
+    header = read_gguf_header(path)
+    meta = header.metadata
+    arch = _architecture(meta, path)
+    names = {t.name for t in header.tensors}
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    vocab_size = get("vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens", 0)
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    num_heads = get("attention.head_count")
+    try:
+        config = ModelConfig(
+            architecture=SUPPORTED_GGUF_ARCHITECTURES[arch], model_type=arch,
+            vocab_size=int(vocab_size), hidden_size=get("embedding_length"),
+            intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=get("attention.head_count_kv") or num_heads,
+            head_dim=get("attention.key_length") or get("rope.dimension_count") or 0,
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=get("rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(meta, arch, header),
+            max_position_embeddings=get("context_length", 2048),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            sliding_window=get("attention.sliding_window"),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+        )
+    except TypeError as e:  # a required key was missing (None)
+        raise ValueError(f"{path!r}: GGUF metadata is missing a required {arch}.* key ({e})") from None
+    return config, meta
+
+
+def _read_tensor(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+    """Dequantize one tensor to a float32 array of ``info.shape`` that owns its memory."""
+    qtype = GGMLQuantizationType(info.ggml_type)
+    byte_shape = quant_shape_to_byte_shape(info.shape, qtype)
+    nbytes = int(np.prod(byte_shape))
+    raw = np.asarray(mm[info.offset:info.offset + nbytes]).reshape(byte_shape)
+    out = dequantize(raw, qtype)
+    if not out.flags.writeable or out.dtype != np.float32:  # F32 is a view of the file
+        out = np.array(out, dtype=np.float32)
+    return out.reshape(info.shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, LlamaModel.permute).
+
+    Forward: ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`` turns the
+    HF rotate-half layout into interleaved pairs; swapping back inverts it.
+    Shape ``[n_head * head_dim, ...]`` (weight) or ``[n_head * head_dim]`` (bias).
+    """
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face name; ``None`` for tensors that are skipped.
+
+    Raises:
+        ValueError: an unknown tensor name (e.g. MoE experts, vision towers).
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES \
+            and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the "
+                     "supported architectures")
+
+
+def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight of a GGUF file, in file order.
+
+    Names: ``model.embed_tokens.weight`` [vocab, hidden], ``model.layers.{i}.
+    input_layernorm.weight`` [hidden], ``...self_attn.{q,k,v,o}_proj.weight``
+    [out, in] (+ ``.bias`` for q/k/v), ``...post_attention_layernorm.weight``,
+    ``...mlp.{gate,up,down}_proj.weight``, ``model.norm.weight``, and ``lm_head.weight``
+    only when the file has ``output.weight`` (untied). For ``llama`` files, Q/K rows are
+    un-permuted back to HF order (q by ``num_attention_heads``, k by
+    ``num_key_value_heads``); ``qwen2`` files are stored unpermuted.
+
+    Raises:
+        ValueError: a tensor of a type outside :data:`SUPPORTED_GGUF_TYPES`, or an unknown
+            tensor name. Types are checked for every tensor before the first is yielded.
+    """
+    header = read_gguf_header(path)
+    arch = _architecture(header.metadata, path)
+    supported = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
+    supported_ids = {int(t) for t in SUPPORTED_GGUF_TYPES}
+    for info in header.tensors:
+        if info.ggml_type not in supported_ids:
+            try:
+                tname = GGMLQuantizationType(info.ggml_type).name
+            except ValueError:
+                tname = f"unknown type id {info.ggml_type}"
+            raise ValueError(f"GGUF tensor {info.name!r} has type {tname}, which is not "
+                             f"supported; supported types: {supported}")
+        hf_tensor_name(info.name)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for info in header.tensors:
+        name = hf_tensor_name(info.name)
+        if name is None:
+            continue
+        w = _read_tensor(mm, info)
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            w = _unpermute(w, config.num_attention_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            w = _unpermute(w, config.num_key_value_heads)
+        yield name, torch.from_numpy(w)
+
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """``{gguf tensor name: ggml type name}`` (e.g. ``"Q4_1"``), for reporting."""
+    out = {}
+    for t in read_gguf_header(path).tensors:
+        try:
+            out[t.name] = GGMLQuantizationType(t.ggml_type).name
+        except ValueError:
+            out[t.name] = f"type_{t.ggml_type}"
+    return out
+

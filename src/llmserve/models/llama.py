@@ -1,0 +1,248 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama).
+
+RMSNorm, RoPE (RoFormer), grouped-query attention over a paged KV cache
+(PagedAttention), SwiGLU MLP, optional QKV bias, tied or untied embeddings,
+sliding window through the attention metadata. Layout and weight fusion
+follow vLLM's ``llama.py``; numerics follow Hugging Face ``modeling_llama``.
+
+Input is flattened: all scheduled tokens of all sequences in one dimension
+``[num_tokens]`` (no batch dimension, no padding)::
+
+    input_ids [T] -> embed -> N x (norm -> attn -> +res -> norm -> mlp -> +res) -> norm
+    -> hidden [T, hidden_size] -> compute_logits (selected rows) -> [N, vocab] float32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.layers.activation import get_act_and_mul
+from llmserve.layers.attention import get_attn_backend
+from llmserve.layers.attention.backend import AttentionBackend
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
+from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint names ignored by load_weights (recomputed buffers)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _has_o_proj_bias(config: ModelConfig) -> bool:
+    # HF Llama puts attention_bias on o_proj too; Qwen2 has bias on q/k/v only
+    is_qwen2 = config.model_type == "qwen2" or config.architecture.startswith("Qwen2")
+    return config.attention_bias and not is_qwen2
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=config.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=_has_o_proj_bias(config),
+                             dtype=dtype)
+        self.attn = backend_cls(self.num_heads, self.head_dim, self.num_kv_heads,
+                                self.head_dim ** -0.5)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = apply_rotary_emb(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        key = apply_rotary_emb(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # [num_tokens, num_heads, head_dim]
+        out = self.attn.forward(query, key, value, kv_cache[0], kv_cache[1], attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], dtype=dtype)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+        self.down_proj = Linear(size, config.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, backend_cls)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, backend_cls)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache,
+                                            attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: architecture hyper-parameters (Hugging Face names).
+        dtype: parameter and activation dtype (float32, bfloat16, float16).
+        attn_backend: registered attention backend name ("cpu", "reference").
+
+    Raises:
+        ValueError: unknown backend, unsupported ``hidden_act`` or rope type.
+
+    Parameters are allocated uninitialised: call :meth:`load_weights`.
+    """
+
+    # fused parameter -> the checkpoint projections it stacks, in shard order
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 attn_backend: str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attn_backend_cls = get_attn_backend(attn_backend)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # the runner copies this into CommonAttentionMetadata.sliding_window
+        self.sliding_window = config.sliding_window
+        self.model = LlamaModel(config, dtype, self.attn_backend_cls)
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.lm_head = (None if config.tie_word_embeddings else
+                        Linear(config.hidden_size, config.vocab_size, dtype=dtype))
+
+    def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's key (or value) cache:
+        ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+        return self.attn_backend_cls.get_kv_cache_shape(num_blocks, block_size,
+                                                        self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
+        """One step over the flattened batch.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64, each token's position in its sequence.
+            kv_caches: per layer ``(key_cache, value_cache)``, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``; written in place.
+            attn_metadata: ``self.attn_backend_cls.build_metadata(common)``.
+
+        Returns:
+            Final hidden states ``[num_tokens, hidden_size]`` (after the last norm).
+
+        Raises:
+            ValueError: when ``len(kv_caches) != num_hidden_layers``.
+        """
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def _checkpoint_name_map(self) -> dict[str, tuple[str, int | str | None]]:
+        """Hugging Face weight name -> (our parameter name, shard id)."""
+        mapping: dict[str, tuple[str, int | str | None]] = {}
+        for pname, _ in self.named_parameters():
+            fused = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)
+            if fused is None:
+                mapping[pname] = (pname, None)
+                continue
+            for orig, shard_id in self.packed_modules_mapping[fused]:
+                mapping[pname.replace(f".{fused}.", f".{orig}.")] = (pname, shard_id)
+        return mapping
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up, cast to ``dtype``.
+
+        ``*.rotary_emb.inv_freq`` is ignored, as is ``lm_head.weight`` when
+        embeddings are tied.
+
+        Raises:
+            ValueError: for an unexpected name, a shape mismatch, or (after
+                the iterable is exhausted) a missing weight; the message names it.
+        """
+        name_map = self._checkpoint_name_map()
+        params = dict(self.named_parameters())
+        missing = set(name_map)
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in name_map:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            pname, shard_id = name_map[name]
+            module = self.get_submodule(pname.rsplit(".", 1)[0])
+            try:
+                if isinstance(module, Linear):
+                    module.weight_loader(params[pname], tensor, shard_id)
+                else:
+                    default_weight_loader(params[pname], tensor)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r}: {e}") from None
+            missing.discard(name)
+        if missing:
+            listed = sorted(missing)
+            more = f" (and {len(listed) - 5} more)" if len(listed) > 5 else ""
+            raise ValueError(f"missing weights after loading: {listed[:5]}{more}")

@@ -1,0 +1,86 @@
+"""What the scheduler hands the model runner each step: plain lists, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (first schedule)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds; its full block table is resent.
+
+    ``resumed_from_preemption``: its KV was dropped and is being recomputed
+    (``num_computed_tokens`` restarted from 0).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    ``num_scheduled_tokens[req_id]`` tokens of each scheduled request are
+    computed, starting at its ``num_computed_tokens``.
+    ``finished_req_ids``: requests that ended since the previous step (the
+    runner drops their state).
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner returns: one sampled token per request that reached the
+    end of its known tokens this step (partial prefill chunks sample nothing).
+
+    ``logprobs[req_id]`` = (token ids, logprobs, rank of the sampled token):
+    column 0 is the sampled token, then the top-n.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of a step, handed to the output processor."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: tuple[list[int], list[float], int] | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,185 @@
+"""ModelRunner: SchedulerOutput -> tensors -> forward -> sampled tokens.
+
+The KV cache tensors live here: per layer a pair (key_cache, value_cache),
+each ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype.
+The runner keeps a small state per request (its tokens, block table,
+sampling parameters and seeded generator) and each step turns the
+scheduler's plain lists into flat input tensors::
+
+    requests (decodes first):   A(decode)  B(chunk 5..12)   C(prefill 0..6)
+    input_ids / positions:      [a8]       [b5 .. b12]      [c0 .. c6]
+    query_start_loc:            0,         1,               9,             16
+    slot_mapping[t] = block_table[pos // block_size] * block_size + pos % block_size
+    logits_indices: the last token of each request that reaches its end this step
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.layers.attention import CommonAttentionMetadata
+from llmserve.layers.sampler import Sampler, build_sampling_metadata
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of a request: all its tokens (prompt + sampled)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    """Runs one model on one device with a paged KV cache.
+
+    Args:
+        config: the engine configuration.
+        model: an ``nn.Module`` with ``forward(input_ids, positions, kv_caches,
+            attn_metadata)``, ``compute_logits`` and ``attn_backend_cls``.
+        num_blocks: KV cache blocks per layer (block 0 is the null block).
+    """
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.block_size = config.cache_config.block_size
+        self.num_blocks = num_blocks
+        mc = config.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.sliding_window = mc.sliding_window
+        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ---------------------------------------------------------------- state
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(sp.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), sp, gen,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids = list(cached.block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def drop_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # ---------------------------------------------------------------- inputs
+    def _prepare_inputs(self, sched: SchedulerOutput):
+        num_sched = sched.num_scheduled_tokens
+        # decodes (one new token) first, then prefill chunks
+        order = sorted(num_sched, key=lambda r: num_sched[r] != 1)
+        states = [self.requests[r] for r in order]
+        query_lens = [num_sched[r] for r in order]
+        num_decodes = sum(1 for q in query_lens if q == 1)
+        bs = self.block_size
+        ids_parts, pos_parts, slot_parts = [], [], []
+        seq_lens, logits_idx, sample_states = [], [], []
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
+        offset = 0
+        for i, (state, qlen) in enumerate(zip(states, query_lens)):
+            start = state.num_computed_tokens
+            end = start + qlen
+            ids_parts.append(state.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            block_table[i, :len(blocks)] = blocks
+            pos_parts.append(pos)
+            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            offset += qlen
+            if end == len(state.token_ids):  # reached the end: sample the next token
+                logits_idx.append(offset - 1)
+                sample_states.append(state)
+        input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
+        positions = torch.from_numpy(np.concatenate(pos_parts))
+        qsl = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl).to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=self.device),
+            block_table=torch.from_numpy(block_table).to(self.device),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
+            query_lens=query_lens,
+            seq_lens_list=seq_lens,
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            sliding_window=self.sliding_window,
+        )
+        return (input_ids.to(self.device), positions.to(self.device), common,
+                torch.tensor(logits_idx, dtype=torch.long, device=self.device), sample_states)
+
+    # ---------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over every scheduled token, sample where due."""
+        self._update_states(sched)
+        out = ModelRunnerOutput()
+        if sched.total_num_scheduled_tokens == 0:
+            return out
+        input_ids, positions, common, logits_idx, sample_states = self._prepare_inputs(sched)
+        attn_metadata = self.model.attn_backend_cls.build_metadata(common)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        if not sample_states:
+            return out
+        logits = self.model.compute_logits(hidden[logits_idx])  # [num_reqs_sampled, vocab]
+        metadata = build_sampling_metadata(
+            [s.sampling_params for s in sample_states],
+            [s.token_ids[:s.num_prompt_tokens] for s in sample_states],
+            [s.output_token_ids for s in sample_states],
+            [s.generator for s in sample_states],
+            self.eos_token_ids, self.vocab_size, self.device)
+        sampler_out = self.sampler(logits, metadata)
+        tokens = sampler_out.sampled_token_ids.tolist()
+        lp_ids = lps = ranks = None
+        if sampler_out.logprobs is not None:
+            lp_ids = sampler_out.logprob_token_ids.tolist()
+            lps = sampler_out.logprobs.tolist()
+            ranks = sampler_out.sampled_token_ranks.tolist()
+        for i, (state, tok) in enumerate(zip(sample_states, tokens)):
+            state.token_ids.append(tok)
+            out.sampled_token_ids[state.req_id] = tok
+            n = state.sampling_params.logprobs
+            if n is not None and lp_ids is not None:
+                out.logprobs[state.req_id] = (lp_ids[i][:n + 1], lps[i][:n + 1], ranks[i])
+        return out
