@@ -112,7 +112,7 @@ def build_sampling_metadata(
             f"length, got {batch}, {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}")
     types = [p.sampling_type for p in params]
     gens: dict[int, torch.Generator] = {}
-    for i, (p, g) in enumerate(zip(params, generators)):
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if types[i] == SamplingType.RANDOM_SEED and g is None:
             raise ValueError(f"row {i} has seed={p.seed} but no generator; create one with "
                              "make_generator(seed, device) when the request arrives and pass it every step")
@@ -134,7 +134,7 @@ def build_sampling_metadata(
             min_tokens[i] = (p.min_tokens, blocked)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
-        temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
         all_greedy=all(greedy),
         all_random=not any(greedy),
         top_p=f32([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
@@ -273,7 +273,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     greedy = None if metadata.all_random else logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy
-    pass
+    logits = apply_temperature(logits, metadata.temperature)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
