@@ -75,6 +75,11 @@ class ModelConfig:
         for e in extra_eos:
             if e not in eos_list:
                 eos_list.append(e)
+        # transformers >= 5 nests RoPE settings under "rope_parameters"
+        rp = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling") or (
+            rp if rp.get("rope_type", rp.get("type", "default")) != "default" else None)
         try:
             num_heads = cfg["num_attention_heads"]
             sw = cfg.get("sliding_window")
@@ -91,8 +96,8 @@ class ModelConfig:
                 num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
                 head_dim=cfg.get("head_dim") or 0,
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                rope_theta=cfg.get("rope_theta", 10000.0),
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)

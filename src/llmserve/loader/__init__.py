@@ -1,1 +1,58 @@
-"""llmserve.loader."""
+"""Model loading: resolve a model reference, read its config, stream its weights.
+
+::
+
+    source = resolve_model("smollm2-135m-instruct")   # ModelSource(kind, path, name)
+    config = load_model_config(source)                 # ModelConfig (HF field names)
+    for name, tensor in iter_weights(source, config):  # HF names, HF shapes
+        ...
+
+GGUF weights come out dequantized to float32; safetensors weights keep their stored
+dtype. The model casts to the engine dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from llmserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
+from llmserve.loader.source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
+
+__all__ = ["DEFAULT_MODEL_NAME", "ModelSource", "resolve_model", "load_model_config",
+           "iter_weights"]
+
+
+def _check_kind(source: ModelSource) -> None:
+    if source.kind not in ("gguf", "hf"):
+        raise ValueError(f"ModelSource.kind must be 'gguf' or 'hf', got {source.kind!r}")
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """Read the model's :class:`ModelConfig` from a GGUF header or ``config.json``.
+
+    Raises:
+        ValueError: unsupported architecture, unreadable file, or unknown ``source.kind``.
+    """
+    _check_kind(source)
+    if source.kind == "gguf":
+        return read_gguf_config(source.path)[0]
+    return read_hf_config(source.path)
+
+
+def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` pairs for every weight of the model.
+
+    See :func:`~llmserve.loader.gguf_loader.iter_gguf_weights` (float32, Q/K un-permuted)
+    and :func:`~llmserve.loader.safetensors_loader.iter_safetensors_weights` (as stored).
+
+    Raises:
+        ValueError: unsupported tensor type, missing shard, or unknown ``source.kind``.
+    """
+    _check_kind(source)
+    if source.kind == "gguf":
+        return iter_gguf_weights(source.path, config)
+    return iter_safetensors_weights(source.path)

