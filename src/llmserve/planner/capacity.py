@@ -1,0 +1,299 @@
+"""Capacity planning: how much KV cache, how many sequences, on how many GPUs (pure Python).
+
+Per device (every device of a tp x pp group is sized by the largest stage)::
+
+    usable     = gpu_memory x gpu_memory_utilization
+    kv_budget  = usable - weights_per_device - activation_reserve
+    num_blocks = floor(kv_budget / (block_size x kv_bytes_per_token_per_device))
+    tokens     = (num_blocks - 1) x block_size          block 0 is the reserved null block
+    max_seqs   = floor((num_blocks - 1) / ceil(max_model_len / block_size))
+
+This is vLLM's accounting (``gpu_memory_utilization`` bounds everything the
+process uses; what weights and the profiled activation peak leave over
+becomes KV blocks). The activation reserve here is an estimate
+(:func:`estimate_activation_bytes`); pass a measured one when you have it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from llmserve.planner.formats import WeightFormat, parse_weight_format
+from llmserve.planner.ledger import (
+    check_parallel,
+    kv_cache_bytes_per_token,
+    num_kv_cache_blocks,
+    weight_bytes,
+)
+from llmserve.planner.model import PlannerModel, as_planner_model
+from llmserve.utils import format_size, parse_size
+
+if TYPE_CHECKING:
+    from llmserve.config import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 16
+#: CUDA context, cuBLAS workspaces, CUDA graphs and NCCL buffers (a rough, typical figure)
+RUNTIME_OVERHEAD_BYTES = 1 << 30
+
+
+class DoesNotFitError(ValueError):
+    """No tp x pp layout holds the requested context and concurrency."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ffn_width(model: PlannerModel) -> int:
+    """Widest per-token feed-forward: ``I`` (dense) or ``k x I_moe + S x I_shared`` (MoE)."""
+    width = model.intermediate_size if model.first_k_dense_replace or not model.is_moe else 0
+    if model.is_moe:
+        shared = model.shared_expert_intermediate_size or model.moe_intermediate_size
+        width = max(width, model.num_experts_per_tok * model.moe_intermediate_size
+                    + model.num_shared_experts * shared)
+    return width
+
+
+def estimate_activation_bytes(model: ModelConfig | PlannerModel, tp: int = 1,
+                              max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                              act_bytes: int = 2) -> int:
+    """A rough peak of activations and runtime buffers on one device, in bytes.
+
+    ``T x (4 x hidden + 2 x ffn / tp) x act_bytes + S x vocab x 4 B + 1 GiB`` with
+    ``T = max_num_batched_tokens`` (one forward pass: residual, normed input,
+    attention in/out, and the gate and up projections), ``S = max_num_seqs``
+    rows of fp32 logits, and :data:`RUNTIME_OVERHEAD_BYTES`. vLLM measures the
+    real peak by profiling a forward pass; this estimate stands in for it.
+    """
+    m = as_planner_model(model)
+    per_token = 4 * m.hidden_size + 2 * ffn_width(m) // tp
+    return (max_num_batched_tokens * per_token * act_bytes
+            + max_num_seqs * m.vocab_size * 4 + RUNTIME_OVERHEAD_BYTES)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What one tp x pp group of devices can hold (all byte figures per device)."""
+
+    model: str
+    tp: int
+    pp: int
+    num_gpus: int
+    replicas: int
+    block_size: int
+    max_model_len: int
+    concurrency: int
+    gpu_memory: int
+    gpu_memory_utilization: float
+    usable_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    num_blocks: int
+    weight_format: str
+    kv_cache_dtype: str
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences can use: ``num_blocks - 1`` (block 0 is the reserved null block,
+        as in vLLM and llmserve's ``BlockPool``)."""
+        return max(self.num_blocks - 1, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        """KV slots sequences can use on each device: ``usable_blocks x block_size``."""
+        return self.usable_blocks * self.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """``ceil(max_model_len / block_size)``."""
+        return _cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences of ``max_model_len`` tokens one replica holds at once."""
+        return self.usable_blocks // self.blocks_per_sequence
+
+    @property
+    def max_single_context(self) -> int:
+        """The longest one sequence can grow, in tokens (all usable blocks to it)."""
+        return self.num_tokens
+
+    @property
+    def total_max_num_seqs(self) -> int:
+        """``replicas x max_num_seqs`` (data parallel over ``num_gpus``)."""
+        return self.replicas * self.max_num_seqs
+
+    @property
+    def fits(self) -> bool:
+        """Whether ``concurrency`` sequences of ``max_model_len`` fit in one replica."""
+        return self.max_num_seqs >= self.concurrency
+
+    def shortfall(self) -> str:
+        """Why the plan does not fit (``""`` when it does)."""
+        if self.fits:
+            return ""
+        if self.kv_budget_bytes <= 0 or self.usable_blocks == 0:
+            return (f"weights {format_size(self.weight_bytes)} + activations "
+                    f"{format_size(self.activation_bytes)} per device leave "
+                    f"{format_size(max(self.kv_budget_bytes, 0))} of the usable "
+                    f"{format_size(self.usable_bytes)}, less than one KV block "
+                    f"({format_size(self.block_size * self.kv_bytes_per_token)})")
+        need = self.concurrency * self.blocks_per_sequence
+        return (f"the KV budget of {format_size(self.kv_budget_bytes)} per device holds "
+                f"{self.usable_blocks:,} usable blocks ({self.num_tokens:,} tokens), but "
+                f"{self.concurrency} x {self.blocks_per_sequence:,} = {need:,} blocks are needed")
+
+    def as_dict(self) -> dict[str, object]:
+        """All fields and derived figures, JSON-ready."""
+        out: dict[str, object] = asdict(self)
+        for name in ("usable_blocks", "num_tokens", "blocks_per_sequence", "max_num_seqs", "max_single_context",
+                     "total_max_num_seqs", "fits"):
+            out[name] = getattr(self, name)
+        return out
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_memory(value: int | str, name: str) -> int:
+    """Bytes from an int or a size string (``"80GiB"``), via :func:`llmserve.utils.parse_size`.
+
+    Raises:
+        ValueError: naming ``name`` for zero, negative or malformed sizes.
+    """
+    negative = (value.strip().startswith("-") if isinstance(value, str)
+                else not isinstance(value, bool) and value <= 0)
+    if negative:
+        raise ValueError(f"{name} must be a positive size such as 80GiB, got {value!r}")
+    return parse_size(value, name)
+
+
+def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, tp: int = 1,
+                  pp: int = 1, num_gpus: int | None = None, gpu_memory_utilization: float = 0.9,
+                  activation_reserve: int | str | None = None,
+                  weight_format: str | WeightFormat = "auto", kv_cache_dtype: str = "auto",
+                  block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None,
+                  concurrency: int = 1, file_weight_bytes: int | None = None) -> CapacityPlan:
+    """Size the KV cache of one tp x pp group of devices with ``gpu_memory`` bytes each.
+
+    ``gpu_memory``: bytes or a size string (``"80GiB"``). ``num_gpus``: devices
+    available (default ``tp x pp``); the spare ones make data-parallel
+    replicas. ``activation_reserve``: bytes per device (default
+    :func:`estimate_activation_bytes`). ``max_model_len``: context per
+    sequence (default the model's ``max_position_embeddings``).
+    ``file_weight_bytes``: the real size of all weights (a GGUF file), split
+    over devices in the ledger's proportions instead of ``weight_format``.
+    Never raises for a model that does not fit: see :attr:`CapacityPlan.fits`.
+
+    Raises:
+        ValueError: for non-positive sizes or counts, a utilization outside
+            (0, 1], ``num_gpus < tp x pp``, an invalid tp/pp, unknown formats.
+    """
+    m = as_planner_model(model)
+    memory = parse_memory(gpu_memory, "gpu_memory")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    _positive_int("block_size", block_size)
+    _positive_int("concurrency", concurrency)
+    context = _positive_int("max_model_len", max_model_len or m.max_position_embeddings)
+    check_parallel(m, tp, pp)
+    gpus = _positive_int("num_gpus", num_gpus if num_gpus is not None else tp * pp)
+    if gpus < tp * pp:
+        raise ValueError(f"tp={tp} x pp={pp} needs {tp * pp} GPUs, but only {gpus} are given")
+    fmt = (weight_format if isinstance(weight_format, WeightFormat)
+           else parse_weight_format(weight_format, m.quantization or m.torch_dtype))
+    if file_weight_bytes is not None:
+        bf16 = parse_weight_format("bf16")
+        share = weight_bytes(m, bf16, tp, pp).total / weight_bytes(m, bf16).total
+        weights = int(file_weight_bytes * share)
+    else:
+        weights = weight_bytes(m, fmt, tp, pp).total
+    if activation_reserve is None:
+        activations = estimate_activation_bytes(m, tp)
+    elif activation_reserve in (0, "0"):
+        activations = 0
+    else:
+        activations = parse_memory(activation_reserve, "activation_reserve")
+    usable = int(memory * gpu_memory_utilization)
+    budget = usable - weights - activations
+    per_token = kv_cache_bytes_per_token(m, kv_cache_dtype, tp, pp)
+    blocks = num_kv_cache_blocks(budget, block_size, per_token) \
+        if budget >= block_size * per_token else 0
+    return CapacityPlan(
+        model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
+        block_size=block_size, max_model_len=context, concurrency=concurrency,
+        gpu_memory=memory, gpu_memory_utilization=gpu_memory_utilization, usable_bytes=usable,
+        weight_bytes=weights, activation_bytes=activations, kv_budget_bytes=budget,
+        kv_bytes_per_token=per_token, num_blocks=blocks,
+        weight_format="gguf file" if file_weight_bytes is not None else fmt.name,
+        kv_cache_dtype=m.torch_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
+def candidate_layouts(model: PlannerModel, gpus_per_node: int = 8,
+                      num_gpus: int | None = None) -> list[tuple[int, int]]:
+    """Valid (tp, pp) pairs in search order: fewest GPUs first.
+
+    ``tp`` is a power of two up to ``gpus_per_node`` (tensor parallelism stays
+    inside a node); ``pp > 1`` only with the largest valid ``tp`` (pipeline
+    stages span nodes). Bounded by ``num_gpus`` and the layer count.
+    """
+    _positive_int("gpus_per_node", gpus_per_node)
+    limit = num_gpus if num_gpus is not None else gpus_per_node * model.num_hidden_layers
+    tps = []
+    tp = 1
+    while tp <= gpus_per_node:
+        try:
+            check_parallel(model, tp, 1)
+            tps.append(tp)
+        except ValueError:
+            pass
+        tp *= 2
+    layouts = [(t, 1) for t in tps if t <= limit]
+    if tps:
+        top = tps[-1]
+        layouts += [(top, p) for p in range(2, model.num_hidden_layers + 1) if top * p <= limit]
+    return layouts
+
+
+def smallest_parallelism(model: ModelConfig | PlannerModel, *, gpu_memory: int | str,
+                         max_model_len: int | None = None, concurrency: int = 1,
+                         gpus_per_node: int = 8, num_gpus: int | None = None,
+                         **kwargs: object) -> CapacityPlan:
+    """The smallest tp x pp whose one replica holds ``concurrency`` x ``max_model_len``.
+
+    Tries :func:`candidate_layouts` in order (fewest GPUs first, so tp within a
+    node before pp across nodes) and returns the first that fits; the other
+    keyword arguments go to :func:`plan_capacity`. With ``num_gpus``, the
+    result counts the data-parallel replicas that fit on them.
+
+    Raises:
+        DoesNotFitError: (a ValueError) when nothing fits, saying why the largest
+            layout tried failed.
+        ValueError: for invalid arguments (as :func:`plan_capacity`).
+    """
+    m = as_planner_model(model)
+    layouts = candidate_layouts(m, gpus_per_node, num_gpus)
+    if not layouts:
+        raise DoesNotFitError(f"no valid tp x pp for {m.name} within {num_gpus} GPUs "
+                         f"({gpus_per_node} per node)")
+    plan = None
+    for tp, pp in layouts:
+        plan = plan_capacity(m, gpu_memory=gpu_memory, tp=tp, pp=pp,
+                             num_gpus=num_gpus if num_gpus is not None else tp * pp,
+                             max_model_len=max_model_len, concurrency=concurrency,
+                             **kwargs)  # type: ignore[arg-type]
+        if plan.fits:
+            return plan
+    assert plan is not None
+    bound = f"--gpus {num_gpus}" if num_gpus is not None else f"{m.num_hidden_layers} layers"
+    raise DoesNotFitError(
+        f"{m.name} does not fit {concurrency} x {plan.max_model_len:,}-token sequences on any "
+        f"tp x pp up to tp={plan.tp} x pp={plan.pp} ({plan.tp * plan.pp} GPUs of "
+        f"{format_size(plan.gpu_memory)}, limited by {bound}): at that size "
+        f"{plan.shortfall()}")
