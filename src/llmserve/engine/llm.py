@@ -49,6 +49,14 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(args)
         self._next_id = 0
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an already built :class:`LLMEngine` (e.g. one sharing loaded weights)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._next_id = 0
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

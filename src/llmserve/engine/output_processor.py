@@ -56,7 +56,8 @@ class OutputProcessor:
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens)
         self.states[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, detok, output_kind,
             RequestMetrics(arrival_time=arrival_time),
@@ -93,7 +94,9 @@ class OutputProcessor:
             if co.new_logprobs is not None and st.logprobs is not None:
                 self._add_logprobs(st, co.new_logprobs)
             finish_reason, stop_reason = co.finish_reason, co.stop_reason
-            stop_str = st.detokenizer.update(co.new_token_ids)
+            # an EOS / stop token id ends the text without showing (vLLM semantics)
+            stop_str = st.detokenizer.update(co.new_token_ids,
+                                             stop_terminated=co.finish_reason == "stop")
             if stop_str is not None and finish_reason != "stop":
                 if finish_reason is None:
                     stopped_by_string.append(co.req_id)
