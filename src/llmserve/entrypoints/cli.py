@@ -92,12 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(subparsers)
-    try:
-        from llmserve.entrypoints import plan_cmd
-    except ImportError:  # pragma: no cover
-        plan_cmd = None
-    if plan_cmd is not None:
-        plan_cmd.register(subparsers)
+    import importlib
+
+    # optional subcommands, each a module with register(subparsers)
+    for mod_name in ("llmserve.entrypoints.openai.serve_cmd", "llmserve.entrypoints.plan_cmd",
+                     "llmserve.entrypoints.bench_cmd"):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name != mod_name:
+                raise
+            continue
+        mod.register(subparsers)
     return parser
 
 
