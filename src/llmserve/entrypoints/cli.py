@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
-            if e.name != mod_name:
+            if not mod_name.startswith(e.name or "?"):
                 raise
             continue
         mod.register(subparsers)
