@@ -48,17 +48,17 @@ def test_freed_blocks_are_reused_least_recently_freed_first():
 
 def test_manager_allocates_on_demand_and_frees():
     m = KVCacheManager(num_blocks=9, block_size=4)  # 8 usable
-    assert m.allocate_slots("a", 1)
+    assert m.allocate_slots("a", 0, 1) == []
     assert len(m.get_block_ids("a")) == 1
-    assert m.allocate_slots("a", 4)  # still one block
+    assert m.allocate_slots("a", 1, 3) == []  # still one block
     assert len(m.get_block_ids("a")) == 1
-    assert m.allocate_slots("a", 5)
+    assert m.allocate_slots("a", 4, 1) == []
     assert len(m.get_block_ids("a")) == 2
-    assert m.allocate_slots("b", 24)  # 6 blocks
+    assert m.allocate_slots("b", 0, 24) == []  # 6 blocks
     assert m.get_num_free_blocks() == 0
-    assert not m.allocate_slots("c", 1)
+    assert m.allocate_slots("c", 0, 1) is None
     assert "c" not in m.req_to_blocks  # a failed allocation leaves nothing behind
-    assert not m.allocate_slots("a", 9)
+    assert m.allocate_slots("a", 5, 4) is None
     assert len(m.get_block_ids("a")) == 2
     assert 0 not in m.get_block_ids("a") + m.get_block_ids("b")
     m.free("a")

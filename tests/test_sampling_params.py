@@ -50,7 +50,6 @@ def test_clone_is_deep():
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"n": 0}, "n"),
-    ({"n": 2, "temperature": 0.0}, "n"),
     ({"temperature": -1.0}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),

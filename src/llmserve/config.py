@@ -118,11 +118,17 @@ class CacheConfig:
     ``kv_cache_memory``: bytes (int) or a string like ``"4GiB"``; ``None``
     means a default chosen from free RAM at start-up.
     ``num_gpu_blocks_override``: force a block count (tests).
+    ``enable_prefix_caching``: automatic prefix caching (on by default).
+    ``swap_space``: bytes of host memory for swapped-out KV blocks (used with
+    ``preemption_mode="swap"``); ``num_cpu_blocks_override`` forces its block count.
     """
 
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: int | str = 4 * 1024**3
+    num_cpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -132,6 +138,9 @@ class CacheConfig:
                                parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise ValueError("num_gpu_blocks_override must be positive")
+        object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
+        if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override <= 0:
+            raise ValueError("num_cpu_blocks_override must be positive")
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,25 @@ class SchedulerConfig:
     ``max_num_seqs``: running requests per step. ``max_num_batched_tokens``:
     token budget per step (prefill chunks + decodes). ``max_model_len``:
     prompt + output tokens per request (0 = the model's context length).
+    ``scheduling_policy``: ``fcfs`` or ``priority`` (lower value first, ties by
+    arrival). ``preemption_mode``: ``recompute`` (drop the KV) or ``swap`` (copy
+    it to the host pool and back).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', "
+                             f"got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -172,8 +172,6 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, reset them to neutral.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-            if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
 
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):

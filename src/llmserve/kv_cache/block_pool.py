@@ -13,9 +13,16 @@ table*; token ``p`` of the request lives in slot
 
 Block 0 is the *null block*: never handed out, used as padding in block
 tables. Allocation and free are O(1) per block. Pure Python, no tensors
-(the tensors live in the model runner). Source: Kwon et al., "Efficient
-Memory Management for Large Language Model Serving with PagedAttention"
-(SOSP 2023); the free-queue design follows vLLM v1's ``BlockPool``.
+(the tensors live in the model runner).
+
+Prefix caching: a full, computed block may be registered under its block
+hash (see :mod:`llmserve.kv_cache.prefix_cache`). A freed block keeps its
+content and hash in the free queue, where another request can hit it again
+until the block is handed out anew (evicted, least recently freed first).
+
+Source: Kwon et al., "Efficient Memory Management for Large Language Model
+Serving with PagedAttention" (SOSP 2023); the free-queue and cached-block
+design follows vLLM v1's ``BlockPool``.
 """
 
 from __future__ import annotations
@@ -113,7 +120,7 @@ class BlockPool:
         ValueError: if ``num_blocks < 2`` (the null block plus one usable block).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -121,6 +128,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # never freed
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.enable_caching = enable_caching
+        # block hash -> the block holding that content (full, computed blocks only)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -142,10 +153,45 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            block.block_hash = None
             out.append(block)
         return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """The block cached under ``block_hash``, or None (O(1))."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take one more reference on cache-hit blocks; free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a full, computed block under its hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached_block_hash_to_block:
+            self.cached_block_hash_to_block[block_hash] = block
+            block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (only when no block is in use). Returns success."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go back to the free queue.

@@ -42,6 +42,9 @@ class SchedulerOutput:
     computed, starting at its ``num_computed_tokens``.
     ``finished_req_ids``: requests that ended since the previous step (the
     runner drops their state).
+    ``kv_cache_ops``: block moves the runner performs, in order, before the
+    forward pass: ``("copy", src, dst)`` (copy-on-write, device to device),
+    ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -50,6 +53,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    kv_cache_ops: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

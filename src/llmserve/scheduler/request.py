@@ -14,7 +14,9 @@ class RequestStatus(enum.IntEnum):
     """Life cycle of a request. Values above ``PREEMPTED`` are finished states."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FORK = enum.auto()  # n > 1: waits for its leader's prompt KV
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted by swap: KV in the host pool
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
@@ -59,6 +61,8 @@ class Request:
         eos_token_ids: tuple[int, ...] | set[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        fork_from: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,13 +71,24 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
-        self.status = RequestStatus.WAITING
+        self.cache_salt = cache_salt
+        # prefix-cache extra keys of the first block: tenants with different salts never share
+        self.extra_keys = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+        # n > 1: the id of the request whose prompt KV this one shares once computed
+        self.fork_from = fork_from
+        self.status = RequestStatus.WAITING_FOR_FORK if fork_from else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not yet)
         self.first_scheduled_time: float | None = None
+        self.host_block_ids: list[int] = []  # while SWAPPED
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower ``priority`` first, then earlier arrival (vLLM)."""
+        return (self.priority, self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

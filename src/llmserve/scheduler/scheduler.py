@@ -2,30 +2,37 @@
 
 Each step it spends a token budget (``max_num_batched_tokens``) over requests:
 
-1. running requests first, in admission order: each gets the tokens it still
-   lacks (its last sampled token when decoding, or the next prefill chunk),
-   up to the remaining budget. When the KV pool has no block for it, the most
-   recently admitted running request is preempted by recompute (its blocks
-   freed, back to the head of the waiting queue) until the block fits.
-2. then waiting requests, first come first served, while the budget, free
-   blocks and ``max_num_seqs`` allow; a long prompt is split into chunks
-   (chunked prefill) and mixed with decodes in the same step.
+1. running requests first (admission order, or priority order): each gets the
+   tokens it still lacks (its last sampled token when decoding, or the next
+   prefill chunk), up to the remaining budget. When the KV pool has no block
+   for it, the last running request (the most recently admitted, or the
+   lowest priority) is preempted until the block fits: by recompute (blocks
+   freed) or by swap (KV copied to the host pool), and requeued.
+2. then waiting requests, in queue order, while the budget, free blocks and
+   ``max_num_seqs`` allow. A new request first looks up the prefix cache and
+   starts at ``num_computed_tokens`` = the hit length; a long prompt is split
+   into chunks (chunked prefill) and mixed with decodes in the same step. With
+   the priority policy, a waiting request that does not fit preempts running
+   requests of lower priority.
 
-There is no separate prefill phase: chunking, resumption after preemption
-and decoding all follow from ``num_computed_tokens`` vs ``num_tokens``.
+There is no separate prefill phase: chunking, prefix hits, resumption after
+preemption and decoding all follow from ``num_computed_tokens`` vs
+``num_tokens``. ``n > 1`` requests fork from a leader once its prompt KV is
+computed, sharing its blocks (copy-on-write).
 Source: Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling;
 Agrawal et al., "Sarathi-Serve" (OSDI 2024) for chunked prefill; vLLM v1's
-``Scheduler`` for the token-centric formulation.
+``Scheduler`` for the token-centric formulation and priority preemption;
+vLLM v0 for swap preemption.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from llmserve.config import SchedulerConfig
-from llmserve.kv_cache import KVCacheManager
+from llmserve.kv_cache import BlockPool, KVCacheManager
 from llmserve.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -33,7 +40,9 @@ from llmserve.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from llmserve.scheduler.queue import RequestQueue
 from llmserve.scheduler.request import Request, RequestStatus
+from llmserve.utils import cdiv
 
 
 @dataclass
@@ -44,28 +53,39 @@ class SchedulerStats:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
+    num_swapped_out_total: int = 0
     num_steps_total: int = 0
     max_batch_size_seen: int = 0
     last_step_num_reqs: int = 0
     last_step_num_tokens: int = 0
+    num_scheduled_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 class Scheduler:
     """Continuous batching over a :class:`KVCacheManager`.
 
     Args:
-        scheduler_config: limits (``max_num_seqs``, ``max_num_batched_tokens``,
-            ``max_model_len``, ``enable_chunked_prefill``).
-        kv_cache_manager: owns the blocks.
+        scheduler_config: limits and policies.
+        kv_cache_manager: owns the device blocks.
+        num_host_blocks: blocks of the host pool for swap preemption (0 = none;
+            swap then falls back to recompute).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 num_host_blocks: int = 0) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.priority_policy = scheduler_config.scheduling_policy == "priority"
+        self.swap = scheduler_config.preemption_mode == "swap" and num_host_blocks > 0
+        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
+        self.pending_forks: dict[str, list[Request]] = {}
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self.stats = SchedulerStats()
@@ -84,22 +104,28 @@ class Scheduler:
                 f"{self.max_model_len} (prompt plus at least one output token must fit)")
         need = self.kv_cache_manager.num_blocks_needed(num_prompt_tokens + 1)
         if need > self.kv_cache_manager.num_usable_blocks:
-            cap = self.kv_cache_manager.num_usable_blocks * self.kv_cache_manager.block_size
+            cap = self.kv_cache_manager.num_usable_blocks * self.block_size
             raise ValueError(
                 f"prompt is too long: {num_prompt_tokens} tokens, but the whole KV cache holds "
                 f"{cap} tokens; raise kv_cache_memory or shorten the prompt")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (call :meth:`check_request_fits` first).
+        """Queue a request (a forked one waits for its leader's prompt).
 
         Raises:
-            ValueError: on a duplicate request id.
+            ValueError: on a duplicate request id or a prompt that can never fit.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.check_request_fits(request.num_prompt_tokens)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        leader = self.requests.get(request.fork_from) if request.fork_from else None
+        if leader is not None and not leader.is_finished():
+            self.pending_forks.setdefault(leader.request_id, []).append(request)
+        else:
+            request.fork_from = None
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str] | str) -> list[str]:
         """Abort requests (unknown or finished ids are ignored); frees their blocks."""
@@ -116,6 +142,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FORK:
+                self.pending_forks[req.fork_from].remove(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -125,85 +153,127 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req.request_id)
+        self._free_host_blocks(req)
         self.requests.pop(req.request_id, None)
+        for child in self.pending_forks.pop(req.request_id, []):
+            # the leader ended before its prompt was computed: compute our own
+            child.fork_from = None
+            child.status = RequestStatus.WAITING
+            self.waiting.add(child)
         if req.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(req.request_id)
             self._finished_since_last_step.add(req.request_id)
 
+    def _free_host_blocks(self, req: Request) -> None:
+        if req.host_block_ids and self.host_pool is not None:
+            self.host_pool.free_blocks([self.host_pool.blocks[i] for i in req.host_block_ids])
+        req.host_block_ids = []
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.requests)
 
-    # ------------------------------------------------------------------ schedule
-    def _preempt(self, req: Request) -> None:
-        """Preemption by recompute: drop the KV, requeue at the head."""
-        self.kv_cache_manager.free(req.request_id)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the KV out to the host pool when possible, else drop it (recompute)."""
+        self.running.remove(req)
+        kv = self.kv_cache_manager
+        num_blocks = cdiv(req.num_computed_tokens, self.block_size)
+        if (self.swap and num_blocks and self.host_pool is not None
+                and self.host_pool.get_num_free_blocks() >= num_blocks):
+            device_ids = kv.get_block_ids(req.request_id)[:num_blocks]
+            host_ids = [b.block_id for b in self.host_pool.get_new_blocks(num_blocks)]
+            out.kv_cache_ops.extend(("swap_out", d, h) for d, h in zip(device_ids, host_ids))
+            req.host_block_ids = host_ids
+            req.status = RequestStatus.SWAPPED
+            self.stats.num_swapped_out_total += 1
+        else:
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+        kv.free(req.request_id)
         req.num_preemptions += 1
         self.stats.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
+        out.preempted_req_ids.add(req.request_id)
 
+    def _admit_running(self, req: Request) -> None:
+        if self.priority_policy:
+            keys = [r.sort_key() for r in self.running]
+            self.running.insert(bisect.bisect(keys, req.sort_key()), req)
+        else:
+            self.running.append(req)
+
+    # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Never blocks; returns an empty output when idle."""
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
-        scheduled: list[tuple[Request, int]] = []
+        kv = self.kv_cache_manager
+        scheduled: dict[str, int] = {}
+        admitted: set[str] = set()
 
-        # 1. running requests, oldest admission first
+        # 1. running requests
         i = 0
+        preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv_cache_manager.allocate_slots(
-                    req.request_id, req.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.add(victim.request_id)
+            copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            while copies is None:
+                victim = self.running[-1]  # most recently admitted / lowest priority
+                self._preempt(victim, out)
+                preempted_running = True
                 if victim is req:
                     break
-            else:
-                scheduled.append((req, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            # req itself was preempted; if nothing else runs it can never grow
-            if not self.running and len(self.waiting) and self.waiting[0] is req \
-                    and req.num_output_tokens > 0 and not scheduled:
-                self.waiting.popleft()
-                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                self._free_request(req)
-            break
-
-        # 2. waiting requests, FCFS (preempted ones are at the head); none are
-        #    admitted in a step that had to preempt, to avoid thrashing
-        while (self.waiting and budget > 0 and not out.preempted_req_ids
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget:
-                if not chunked:
-                    break
-                num_new = budget
-            if not self.kv_cache_manager.allocate_slots(req.request_id, num_new):
+                copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            if copies is None:
+                if not self.running and not scheduled and req.num_output_tokens > 0 \
+                        and req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
+                    # alone and still too big for the whole cache: it can never grow
+                    self.waiting.remove(req)
+                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    self._free_request(req)
                 break
-            self.waiting.popleft()
+            out.kv_cache_ops.extend(("copy", s, d) for s, d in copies)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. waiting requests (none admitted in a step that had to preempt, to avoid thrashing)
+        while self.waiting and budget > 0 and not preempted_running:
+            req = self.waiting.peek()
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower_priority(req, scheduled, admitted, out):
+                    budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+                    continue
+                break
+            ops, num_new = self._try_admit(req, budget)
+            if ops is None:
+                if self._preempt_lower_priority(req, scheduled, admitted, out):
+                    budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+                    continue
+                break
+            self.waiting.pop()
+            out.kv_cache_ops.extend(ops)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
-            self.running.append(req)
-            scheduled.append((req, num_new))
+            self._admit_running(req)
+            admitted.add(req.request_id)
+            scheduled[req.request_id] = num_new
             budget -= num_new
 
-        for req, num_new in scheduled:
-            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        for req in self.running:
+            num_new = scheduled.get(req.request_id)
+            if num_new is None:
+                continue
+            block_ids = kv.get_block_ids(req.request_id)
             if req.request_id not in self._seen_by_runner:
                 self._seen_by_runner.add(req.request_id)
                 out.scheduled_new_reqs.append(NewRequestData(
@@ -212,11 +282,64 @@ class Scheduler:
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req.request_id, block_ids, req.num_computed_tokens,
-                    resumed_from_preemption=req.num_preemptions > 0 and req.num_computed_tokens == 0))
+                    resumed_from_preemption=req.request_id in admitted))
             out.num_scheduled_tokens[req.request_id] = num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        self._update_stats(len(scheduled), out.total_num_scheduled_tokens)
+        self._update_stats(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
         return out
+
+    def _try_admit(self, req: Request, budget: int) -> tuple[list | None, int]:
+        """Allocate blocks for a waiting request. Returns (kv ops, tokens) or (None, 0)."""
+        kv = self.kv_cache_manager
+        chunked = self.config.enable_chunked_prefill
+        if req.status == RequestStatus.SWAPPED:
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = kv.allocate_slots(req.request_id, 0, req.num_computed_tokens + num_new)
+            if copies is None:
+                return None, 0
+            device_ids = kv.get_block_ids(req.request_id)
+            ops = [("swap_in", h, d) for h, d in zip(req.host_block_ids, device_ids)]
+            self._free_host_blocks(req)
+            return ops, num_new
+        computed_blocks = []
+        num_hit = 0
+        if req.num_computed_tokens == 0:
+            computed_blocks = kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                     req.extra_keys)
+            num_hit = len(computed_blocks) * self.block_size
+        num_computed = req.num_computed_tokens or num_hit
+        num_new = req.num_tokens - num_computed
+        if num_new > budget:
+            if not chunked:
+                return None, 0
+            num_new = budget
+        copies = kv.allocate_slots(req.request_id, num_computed, num_new, computed_blocks)
+        if copies is None:
+            return None, 0
+        if req.num_computed_tokens == 0:
+            kv.record_prefix_query(req.num_tokens, num_hit)
+            self.stats.prefix_cache_queries_total = kv.stats.queries
+            self.stats.prefix_cache_hits_total = kv.stats.hits
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+        return [("copy", s, d) for s, d in copies], num_new
+
+    def _preempt_lower_priority(self, req: Request, scheduled: dict[str, int],
+                                admitted: set[str], out: SchedulerOutput) -> bool:
+        """Priority policy: preempt the lowest-priority running request below ``req``
+        (never one admitted in this step). Returns True if one was preempted."""
+        if not self.priority_policy:
+            return False
+        for victim in reversed(self.running):
+            if victim.request_id in admitted:
+                continue
+            if victim.sort_key() <= req.sort_key():
+                return False
+            scheduled.pop(victim.request_id, None)  # un-schedule it for this step
+            self._preempt(victim, out)
+            return True
+        return False
 
     def _update_stats(self, num_reqs: int, num_tokens: int) -> None:
         s = self.stats
@@ -227,19 +350,25 @@ class Scheduler:
             s.num_steps_total += 1
         s.last_step_num_reqs = num_reqs
         s.last_step_num_tokens = num_tokens
+        s.num_scheduled_tokens_total += num_tokens
         s.max_batch_size_seen = max(s.max_batch_size_seen, num_reqs)
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance ``num_computed_tokens``, append sampled tokens, finish requests
-        that hit a token-level stop condition and free their blocks."""
+        """Advance ``num_computed_tokens``, cache full blocks, append sampled tokens,
+        fork waiting ``n > 1`` siblings, finish requests that hit a token-level stop
+        condition and free their blocks."""
         outputs: list[EngineCoreOutput] = []
+        kv = self.kv_cache_manager
         for req_id, num_new in sched_out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
             req.num_computed_tokens += num_new
+            kv.cache_blocks(req_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+            if req_id in self.pending_forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork_children(req)
             token = runner_out.sampled_token_ids.get(req_id)
             if token is None:
                 continue  # a partial prefill chunk: nothing sampled
@@ -247,10 +376,25 @@ class Scheduler:
             finished = req.check_stop(self.max_model_len)
             outputs.append(EngineCoreOutput(
                 req_id, [token], finish_reason=req.get_finished_reason() if finished else None,
-                stop_reason=req.stop_reason, new_logprobs=runner_out.logprobs.get(req_id)))
+                stop_reason=req.stop_reason, new_logprobs=runner_out.logprobs.get(req_id),
+                num_cached_tokens=max(req.num_cached_tokens, 0)))
             if finished:
                 self.running.remove(req)
                 self._free_request(req)
         self.stats.num_running_reqs = len(self.running)
-        self.stats.kv_cache_usage = self.kv_cache_manager.usage
+        self.stats.num_waiting_reqs = len(self.waiting)
+        self.stats.kv_cache_usage = kv.usage
         return outputs
+
+    def _fork_children(self, leader: Request) -> None:
+        """Share the leader's prompt blocks with its waiting siblings; each recomputes
+        only the last prompt token (for its own logits), copy-on-write."""
+        children = self.pending_forks.pop(leader.request_id)
+        for child in reversed(children):
+            self.kv_cache_manager.fork(leader.request_id, child.request_id,
+                                       child.num_prompt_tokens)
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            child.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            child.fork_from = None
+            child.status = RequestStatus.WAITING
+            self.waiting.prepend(child)
