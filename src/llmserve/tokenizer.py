@@ -37,6 +37,12 @@ def load_tokenizer(source: ModelSource) -> Any:
 
     from llmserve.loader.gguf_loader import read_gguf_header
 
+    cache_dir = _tokenizer_cache_dir(source) if source.kind == "gguf" else None
+    if cache_dir is not None and os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache_dir)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry: convert again
     try:
         if source.kind == "hf":
             return AutoTokenizer.from_pretrained(source.path)
@@ -51,7 +57,42 @@ def load_tokenizer(source: ModelSource) -> Any:
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     if eos_id is not None and tokenizer.eos_token_id != eos_id:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
+    if cache_dir is not None:
+        _save_tokenizer_cache(tokenizer, cache_dir)
     return tokenizer
+
+
+def _tokenizer_cache_dir(source: ModelSource) -> str | None:
+    """Where the tokenizer converted from a GGUF is kept (keyed by path, size, mtime),
+    so later starts skip the conversion. ``LLMSERVE_CACHE_DIR`` overrides
+    ``~/.cache/llmserve``; ``LLMSERVE_CACHE_DIR=""`` turns the cache off."""
+    import hashlib
+
+    root = os.environ.get("LLMSERVE_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
+    if not root:
+        return None
+    try:
+        st = os.stat(source.path)
+    except OSError:
+        return None
+    key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|v1"
+    return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _save_tokenizer_cache(tokenizer: Any, cache_dir: str) -> None:
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache_dir))
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cache_dir)  # atomic: readers never see a half-written entry
+    except OSError:  # read-only home, a concurrent writer won: just skip the cache
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _message_content(i: int, msg: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from llmserve.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from llmserve.layers.quantization import QUANTIZATION_METHODS
 from llmserve.utils import parse_size
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ class EngineArgs:
     attention_backend: str = "cpu"
     seed: int = 0
     num_gpu_blocks_override: int | None = None
+    quantization: str = "auto"
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    num_cpu_blocks_override: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -113,12 +120,35 @@ class EngineArgs:
                        action="store_false", help="do not split long prompts across steps")
         g.add_argument("--attention-backend", default="cpu", help="cpu (fast) or reference")
         g.add_argument("--seed", type=int, default=0, help="global random seed")
+        g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_METHODS),
+                       help="weight format: none = dequantize to --dtype; gguf-native = GGUF "
+                            "Q4_0/Q4_1/Q8_0 through the int4 CPU kernel; gguf-hybrid = that for "
+                            "small steps plus a dense copy for large ones; auto = gguf-hybrid for "
+                            "GGUF on CPU with bfloat16, else none")
+        g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_true", default=True,
+                       help="reuse the KV of shared prompt prefixes (default: on)")
+        g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn automatic prefix caching off")
+        g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                       help="fcfs, or priority (lower value first, ties by arrival)")
+        g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                       help="when KV blocks run out: recompute the preempted request's KV "
+                            "later, or swap it to host memory and back")
+        g.add_argument("--swap-space", type=float, default=4.0,
+                       help="host memory for swapped KV, GiB (with --preemption-mode swap)")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def _swap_bytes(self) -> int:
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or self.swap_space <= 0:
+            raise ValueError(f"swap_space must be a positive number of GiB, got {self.swap_space!r}")
+        return int(self.swap_space * 1024**3)
 
     def create_engine_config(self, model_config: ModelConfig, model_name: str) -> EngineConfig:
         """Resolve ``auto`` values against the model and the machine.
@@ -136,16 +166,25 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's context length "
                 f"({model_max})")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         kv_mem = (parse_size(self.kv_cache_memory, "kv_cache_memory")
                   if self.kv_cache_memory is not None else default_kv_cache_memory(device))
         return EngineConfig(
             model=model_name,
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_mem,
-                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     swap_space=self._swap_bytes(),
+                                     num_cpu_blocks_override=self.num_cpu_blocks_override),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill),
-            dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed)
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                scheduling_policy=self.scheduling_policy,
+                preemption_mode=self.preemption_mode),
+            dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
+            extra={"quantization": self.quantization})

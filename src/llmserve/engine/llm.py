@@ -111,6 +111,22 @@ class LLM:
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params):
+        """Beam search (see :mod:`llmserve.beam_search`): for each prompt, the
+        ``params.beam_width`` best sequences, best first.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
+            params: a :class:`~llmserve.beam_search.BeamSearchParams`.
+
+        Returns:
+            ``list[BeamSearchOutput]`` in prompt order.
+
+        Raises:
+            ValueError: for a bad prompt or parameter.
+        """
+        return _beam_search(self, prompts, params)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2,
@@ -130,3 +146,48 @@ class LLM:
             if leftover:
                 self.engine.abort_request(leftover)
         return [finished[i] for i in ids if i in finished]
+
+
+def _beam_search(llm: LLM, prompts, params):
+    """See :meth:`LLM.beam_search`."""
+    from llmserve.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search_score
+
+    engine = llm.engine
+    eos = engine.eos_token_ids
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    prompt_ids = [engine.tokenize_prompt(p)[1] for p in prompts]
+    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width,
+                                 ignore_eos=True)
+
+    def key(beam):
+        return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+
+    live = [[BeamSearchSequence(tokens=list(ids))] for ids in prompt_ids]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+    for _ in range(params.max_tokens):
+        flat = [(i, beam) for i, beams in enumerate(live) for beam in beams
+                if len(beam.tokens) < engine.max_model_len]
+        if not flat:
+            break
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in flat], step_params,
+                            use_tqdm=False)
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+        for (i, beam), out in zip(flat, outs):
+            for token_id, lp in out.outputs[0].logprobs[0].items():
+                new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [lp.logprob],
+                                         beam.cum_logprob + lp.logprob)
+                if token_id in eos and not params.ignore_eos:
+                    new.finished = True
+                    done[i].append(new)
+                else:
+                    candidates[i].append(new)
+        live = [sorted(c, key=key, reverse=True)[:params.beam_width] for c in candidates]
+    results = []
+    tok = engine.tokenizer
+    for i, ids in enumerate(prompt_ids):
+        best = sorted(done[i] + live[i], key=key, reverse=True)[:params.beam_width]
+        for beam in best:
+            beam.text = tok.decode(beam.tokens[len(ids):], skip_special_tokens=True)
+        results.append(BeamSearchOutput(best))
+    return results

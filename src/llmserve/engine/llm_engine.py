@@ -12,7 +12,7 @@ import torch
 
 from llmserve.config import DTYPE_BYTES, EngineConfig
 from llmserve.engine.arg_utils import EngineArgs
-from llmserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
 from llmserve.loader import iter_weights, load_model_config, resolve_model
 from llmserve.models import get_model_class
@@ -62,11 +62,22 @@ class LLMEngine:
         if capacity < max_len:
             logger.warning("the KV cache (%d tokens) holds less than max_model_len (%d): "
                            "long requests will be refused or cut", capacity, max_len)
-        self.runner = ModelRunner(config, model, num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config,
-                                   KVCacheManager(num_blocks, cc.block_size))
+        num_host_blocks = 0
+        if config.scheduler_config.preemption_mode == "swap":
+            num_host_blocks = cc.num_cpu_blocks_override or num_kv_cache_blocks(
+                cc.swap_space, cc.block_size, self.kv_bytes_per_token)
+            logger.info("swap space: %d host blocks (%s)", num_host_blocks,
+                        format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
+        self.num_host_blocks = num_host_blocks
+        self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching),
+            num_host_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
+        self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
+        self._stalled_steps = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -125,10 +136,15 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Validate and queue one request; returns its id.
 
-        ``max_tokens`` is capped at ``max_model_len - prompt length``.
+        ``max_tokens`` is capped at ``max_model_len - prompt length``. With
+        ``params.n > 1`` the prompt is computed once and shared by n sequences
+        (child i samples with ``seed + i`` when a seed is given, as vLLM).
+        ``priority``: lower runs first under ``scheduling_policy="priority"``.
+        ``cache_salt``: requests with different salts never share prefix cache.
 
         Raises:
             ValueError: naming the field (prompt, sampling parameters, length).
@@ -136,24 +152,46 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet (use one request per sample)")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]  # vLLM accepts the salt in the prompt dict
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
         self.scheduler.check_request_fits(len(prompt_ids))
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time
-        req = Request(request_id, prompt_ids, params, max_tokens, self.eos_token_ids,
-                      arrival_time=arrival, priority=priority)
-        self.scheduler.add_request(req)
-        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params,
-                                          output_kind, arrival)
+        n = params.n
+        parent = None
+        child_ids = [request_id]
+        if n > 1:
+            child_ids = [f"{request_id}#{i}" for i in range(n)]
+            parent = ParentRequest(request_id, n, child_ids)
+            self._parents[request_id] = child_ids
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            req = Request(child_id, prompt_ids, child_params, max_tokens, self.eos_token_ids,
+                          arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                          fork_from=child_ids[0] if i > 0 else None)
+            self.scheduler.add_request(req)
+            self.output_processor.add_request(child_id, prompt_text, prompt_ids, child_params,
+                                              output_kind, arrival, parent=parent, index=i)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests; their blocks are freed at once. Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [c for rid in ids for c in self._parents.pop(rid, [rid])]
         self.scheduler.abort_requests(ids)
         outs = []
         for rid in ids:
@@ -174,7 +212,19 @@ class LLMEngine:
         """One iteration: schedule, run the model, update, detokenize."""
         sched_out = self.scheduler.schedule()
         if sched_out.total_num_scheduled_tokens == 0:
+            if sched_out.kv_cache_ops or sched_out.finished_req_ids:
+                # swap-outs must still move the KV; finished requests drop their state
+                self.runner.execute_model(sched_out)
+            sched = self.scheduler
+            if sched.waiting and not sched.running and not sched_out.kv_cache_ops:
+                self._stalled_steps += 1
+                if self._stalled_steps >= 3:
+                    # nothing runs and the head cannot be admitted: never spin forever
+                    head = sched.waiting.peek().request_id
+                    logger.error("request %s can never be scheduled; aborting it", head)
+                    return self.abort_request([head])
             return []
+        self._stalled_steps = 0
         first_sched = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
                        for r in sched_out.scheduled_new_reqs}
         try:
@@ -187,6 +237,9 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs, first_sched)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._parents.pop(out.request_id, None)
         return outputs
 
     def kv_cache_dtype_bytes(self) -> int:

@@ -22,6 +22,17 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class ParentRequest:
+    """An ``n > 1`` request: n child sequences reported as one RequestOutput
+    whose ``outputs`` are indexed 0..n-1 (vLLM's ``ParentRequest``)."""
+
+    request_id: str
+    n: int
+    child_ids: list[str]
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt: str | None
@@ -36,6 +47,9 @@ class RequestState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     itl: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    parent: ParentRequest | None = None
+    index: int = 0
 
 
 class OutputProcessor:
@@ -51,7 +65,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, output_kind: RequestOutputKind,
-                    arrival_time: float) -> None:
+                    arrival_time: float, parent: ParentRequest | None = None,
+                    index: int = 0) -> None:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
@@ -62,7 +77,8 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, detok, output_kind,
             RequestMetrics(arrival_time=arrival_time),
             logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            parent=parent, index=index)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
@@ -90,6 +106,7 @@ class OutputProcessor:
             elif m.last_token_time is not None:
                 st.itl.append(now - m.last_token_time)
             m.last_token_time = now
+            st.num_cached_tokens = co.num_cached_tokens
             st.token_ids.extend(co.new_token_ids)
             if co.new_logprobs is not None and st.logprobs is not None:
                 self._add_logprobs(st, co.new_logprobs)
@@ -102,6 +119,8 @@ class OutputProcessor:
                     stopped_by_string.append(co.req_id)
                 finish_reason, stop_reason = "stop", stop_str
             out = self._make_output(st, finish_reason, stop_reason, now)
+            if out is not None and st.parent is not None:
+                out = self._to_parent_output(st, out)
             if out is not None:
                 results.append(out)
             if finish_reason is not None:
@@ -113,7 +132,25 @@ class OutputProcessor:
         st = self.states.pop(request_id, None)
         if st is None:
             return None
-        return self._make_output(st, "abort", None, time.time(), force=True)
+        out = self._make_output(st, "abort", None, time.time(), force=True)
+        return self._to_parent_output(st, out) if st.parent is not None else out
+
+    @staticmethod
+    def _to_parent_output(st: RequestState, out: RequestOutput) -> RequestOutput | None:
+        """Report a child sequence under its parent's id, index and completion state."""
+        parent = st.parent
+        completion = out.outputs[0]
+        completion.index = st.index
+        out.request_id = parent.request_id
+        if out.finished:
+            parent.done[st.index] = completion
+        all_done = len(parent.done) == parent.n
+        if st.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not all_done:
+                return None
+            out.outputs = [parent.done[i] for i in range(parent.n)]
+        out.finished = all_done
+        return out
 
     def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
         ids, lps, rank = new
@@ -149,4 +186,5 @@ class OutputProcessor:
             index=0, text=text, token_ids=token_ids, cumulative_logprob=st.cumulative_logprob,
             logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
-                             finished, st.metrics, itl=list(st.itl))
+                             finished, st.metrics, num_cached_tokens=st.num_cached_tokens,
+                             itl=list(st.itl))

@@ -59,7 +59,8 @@ class ModelRunner:
         num_blocks: KV cache blocks per layer (block 0 is the null block).
     """
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
+                 num_host_blocks: int = 0) -> None:
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
@@ -77,8 +78,52 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)
         ]
+        # the host pool for swap preemption, same layout; block 0 unused
+        pin = self.device.type == "cuda"
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if num_host_blocks > 0:
+            host_shape = (num_host_blocks + 1, *shape[1:])
+            self.host_kv_caches = [
+                (torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                 torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin))
+                for _ in range(mc.num_hidden_layers)
+            ]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+
+    # ---------------------------------------------------------------- KV moves
+    def apply_kv_cache_ops(self, ops: list[tuple[str, int, int]]) -> None:
+        """Copy-on-write copies and swaps, in order (batched while independent)."""
+        i = 0
+        while i < len(ops):
+            kind = ops[i][0]
+            srcs: list[int] = []
+            dsts: list[int] = []
+            while i < len(ops) and ops[i][0] == kind and ops[i][1] not in dsts \
+                    and ops[i][2] not in srcs and ops[i][2] not in dsts:
+                srcs.append(ops[i][1])
+                dsts.append(ops[i][2])
+                i += 1
+            self._move_blocks(kind, srcs, dsts)
+
+    def _move_blocks(self, kind: str, srcs: list[int], dsts: list[int]) -> None:
+        host = torch.device("cpu")
+        src_dev = host if kind == "swap_in" else self.device
+        dst_dev = host if kind == "swap_out" else self.device
+        src_idx = torch.tensor(srcs, dtype=torch.long, device=src_dev)
+        dst_idx = torch.tensor(dsts, dtype=torch.long, device=dst_dev)
+        for layer, (kc, vc) in enumerate(self.kv_caches):
+            if kind == "copy":
+                src_pair, dst_pair = (kc, vc), (kc, vc)
+            elif kind == "swap_out":
+                src_pair, dst_pair = (kc, vc), self.host_kv_caches[layer]
+            elif kind == "swap_in":
+                src_pair, dst_pair = self.host_kv_caches[layer], (kc, vc)
+            else:
+                raise ValueError(f"unknown KV cache op {kind!r}")
+            for src_t, dst_t in zip(src_pair, dst_pair):
+                blocks = src_t.index_select(0, src_idx).to(dst_t.device, non_blocking=True)
+                dst_t.index_copy_(0, dst_idx, blocks)
 
     # ---------------------------------------------------------------- state
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -154,6 +199,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, sample where due."""
         self._update_states(sched)
+        if sched.kv_cache_ops:
+            self.apply_kv_cache_ops(sched.kv_cache_ops)
         out = ModelRunnerOutput()
         if sched.total_num_scheduled_tokens == 0:
             return out
