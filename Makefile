@@ -21,9 +21,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(BIN)/llmserve generate --chat --prompt "Give me three tips for writing clear Python code." --max-tokens 128 --stream
+	$(BIN)/llmserve serve --host 127.0.0.1 --port 8000
 
-generate: run
+generate: setup
+	$(BIN)/llmserve generate --chat --prompt "Give me three tips for writing clear Python code." --max-tokens 128 --stream
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks

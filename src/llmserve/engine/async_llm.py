@@ -1,0 +1,398 @@
+"""AsyncLLM: the engine for asyncio servers.
+
+One background thread owns the :class:`LLMEngine` (which is not thread-safe) and is
+the only code that touches it::
+
+    asyncio tasks (any loop)            engine thread
+    ------------------------            -------------
+    add_request / abort  --commands-->  drain commands (add, abort) between steps
+                                        step() while there is work; sleep on a
+                                        condition variable when idle (no polling)
+    RequestStream.queue  <--outputs---  one loop.call_soon_threadsafe per step and
+                                        event loop, carrying that step's outputs
+
+Outputs are DELTA (each carries only the new text, tokens and logprobs); a stream
+merges deltas that piled up while its consumer was busy. A consumer that stops
+iterating (client disconnect -> generator closed or cancelled) aborts its request,
+which frees its KV blocks at once. Validation errors (bad prompt, prompt too long)
+come back from :meth:`AsyncLLM.add_request` as ``ValueError`` with the engine's
+message, before any output. An exception inside a step is logged, fails the
+requests in flight with :class:`EngineStepError`, and the loop goes on.
+
+Modelled on vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``), with a thread
+instead of a separate engine-core process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.engine.output_processor import RequestOutputKind
+from llmserve.metrics.stats import EngineStatsSnapshot, IterationStats, StatLogger
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve.async_llm")
+
+IDLE_STEP_BACKOFF_S = 0.005  # pause when requests exist but a step could schedule none
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in flight were aborted."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down (or is shutting down); no new requests."""
+
+
+def merge_delta(into: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Fold DELTA output ``new`` into ``into`` (same request): texts, token ids and
+    logprobs are concatenated; finish state, metrics and ITLs come from ``new``."""
+    a, b = into.outputs[0], new.outputs[0]
+    a.text += b.text
+    a.token_ids = list(a.token_ids) + list(b.token_ids)
+    if b.logprobs is not None:
+        a.logprobs = (list(a.logprobs) if a.logprobs is not None else []) + list(b.logprobs)
+    a.cumulative_logprob = b.cumulative_logprob
+    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    into.finished, into.metrics, into.itl = new.finished, new.metrics, new.itl
+    return into
+
+
+class RequestStream:
+    """The outputs of one request, in order; an async iterator of DELTA
+    :class:`RequestOutput` that stops after the final one (``finished=True``).
+
+    Raises (from ``__anext__``):
+        EngineStepError / EngineShutdownError: the engine failed or stopped the request.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on self.loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                item = nxt
+                break
+            item = merge_delta(item, nxt)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request in the engine (frees its KV blocks); no-op once finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._submit_abort([self.request_id])
+
+
+class AsyncLLM:
+    """Asyncio front of an :class:`LLMEngine` stepped by one background thread.
+
+    Args:
+        engine: a built engine; this object owns it from now on.
+        stat_loggers: called on the engine thread with :class:`IterationStats` after
+            every iteration (e.g. the Prometheus exporter).
+    """
+
+    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = ()) -> None:
+        self.engine = engine
+        self.stat_loggers = list(stat_loggers)
+        self._cv = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []  # guarded by _cv
+        self._stopping = False  # guarded by _cv
+        self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
+        self._streams_lock = threading.Lock()
+        self._stats = EngineStatsSnapshot()
+        self._num_pending_adds = 0  # guarded by _cv
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs,
+                         stat_loggers: Sequence[StatLogger] = ()) -> AsyncLLM:
+        """Load the model (blocking, seconds) and start the engine thread.
+
+        Raises:
+            ValueError: for a bad option or a model that cannot be loaded.
+        """
+        return cls(LLMEngine.from_engine_args(args), stat_loggers)
+
+    # ------------------------------------------------------------------ properties
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    is_running = property(lambda self: self._thread.is_alive() and not self._stopping)
+
+    def get_stats(self) -> EngineStatsSnapshot:
+        """The latest snapshot; ``num_waiting_reqs`` includes adds not yet taken."""
+        s = self._stats
+        pending = self._num_pending_adds
+        if not pending:
+            return s
+        return EngineStatsSnapshot(s.num_running_reqs, s.num_waiting_reqs + pending,
+                                   s.kv_cache_usage, s.num_preemptions_total,
+                                   s.num_steps_total, s.max_batch_size_seen)
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams, priority: int = 0,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request in the engine; returns its output stream once accepted.
+
+        Args:
+            prompt: a string or ``{"prompt_token_ids": [...], "prompt": text}``.
+            arrival_time: ``time.time()`` when the request arrived (default: now); TTFT
+                and queue time are measured from it.
+
+        Raises:
+            ValueError: the engine's validation message (empty prompt, prompt longer
+                than ``max_model_len`` or the KV cache, bad token ids, duplicate id).
+            EngineShutdownError: after :meth:`shutdown`.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        accepted: asyncio.Future[None] = loop.create_future()
+        arrival = time.time() if arrival_time is None else arrival_time
+        with self._cv:
+            if self._stopping:
+                self._unregister(request_id)
+                raise EngineShutdownError("the engine is shutting down")
+            self._commands.append(("add", (request_id, prompt, sampling_params, priority,
+                                           arrival, accepted)))
+            self._num_pending_adds += 1
+            self._cv.notify()
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its DELTA outputs until it finishes.
+
+        The ``ValueError`` of a rejected request is raised by the first ``__anext__``,
+        before any output. Closing or cancelling the generator aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their streams end
+        with a ``finish_reason="abort"`` output."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._submit_abort(ids, keep_streams=True)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (thread-safe, non-blocking); each stream ends
+        with a ``finish_reason="abort"`` output. Returns how many were aborted."""
+        with self._streams_lock:
+            ids = list(self._streams)
+        if ids:
+            self._submit_abort(ids, keep_streams=True)
+        return len(ids)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every request (streams end with ``abort`` outputs), stop the thread.
+
+        Args:
+            timeout: seconds to wait for the engine thread to finish its current step.
+        """
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ internals
+    def _submit_abort(self, request_ids: list[str], keep_streams: bool = False) -> None:
+        """Queue an abort; ``keep_streams`` delivers the final ``abort`` outputs to the
+        streams, else the streams are dropped at once (their consumer is gone)."""
+        if not keep_streams:
+            for rid in request_ids:
+                self._unregister(rid)
+        with self._cv:
+            self._commands.append(("abort", request_ids))
+            self._cv.notify()
+
+    def _unregister(self, request_id: str) -> RequestStream | None:
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        """The engine thread: wait for work, apply commands, step, publish."""
+        engine = self.engine
+        idle_step = False
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping \
+                        and not engine.has_unfinished_requests():
+                    self._cv.wait()
+                if idle_step and not self._commands and not self._stopping:
+                    self._cv.wait(IDLE_STEP_BACKOFF_S)  # work exists but none could run
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            outputs: list[RequestOutput] = []
+            try:
+                idle_step = self._iteration(commands, stopping, outputs)
+            except Exception as e:  # never let one bad step or command kill the loop
+                logger.exception("engine iteration failed; aborting the requests in flight")
+                self._abort_all(outputs, EngineStepError(f"engine step failed: {e!r}"),
+                                as_error=True)
+                self._publish(outputs, False)
+                idle_step = False
+            if stopping:
+                return
+
+    def _iteration(self, commands: list[tuple[str, Any]], stopping: bool,
+                   outputs: list[RequestOutput]) -> bool:
+        """Apply commands, run one step; returns True when there was work but the
+        step scheduled nothing."""
+        engine = self.engine
+        for kind, payload in commands:
+            if kind == "add":
+                self._apply_add(payload, stopping)
+            else:
+                outputs.extend(engine.abort_request(payload))
+        if stopping:
+            self._abort_all(outputs, EngineShutdownError("the engine was shut down"),
+                            as_error=False)
+            self._publish(outputs, False)
+            return False
+        steps_before = engine.scheduler.stats.num_steps_total
+        had_work = engine.has_unfinished_requests()
+        if had_work:
+            outputs.extend(engine.step())
+        ran = engine.scheduler.stats.num_steps_total != steps_before
+        self._publish(outputs, ran)
+        return had_work and not ran and not outputs
+
+    def _apply_add(self, payload: tuple, stopping: bool) -> None:
+        request_id, prompt, params, priority, arrival, accepted = payload
+        error: BaseException | None = None
+        if stopping:
+            error = EngineShutdownError("the engine is shutting down")
+        else:
+            try:
+                self.engine.add_request(request_id, prompt, params, RequestOutputKind.DELTA,
+                                        arrival_time=arrival, priority=priority)
+            except Exception as e:  # ValueError: validation; anything else: a bug
+                error = e
+        with self._cv:
+            self._num_pending_adds -= 1
+        if error is not None:
+            self._unregister(request_id)
+        try:
+            accepted.get_loop().call_soon_threadsafe(_resolve, accepted, error)
+        except RuntimeError:  # the consumer's event loop is closed
+            if error is None:
+                self.engine.abort_request(request_id)
+
+    def _abort_all(self, outputs: list[RequestOutput], error: BaseException,
+                   as_error: bool) -> None:
+        """Abort every request in flight. Each open stream then gets ``error`` when
+        ``as_error`` (or when the engine had no output for it), else its final
+        ``abort`` output (appended to ``outputs`` and delivered by :meth:`_publish`)."""
+        with self._streams_lock:
+            ids = list(dict.fromkeys(list(self.engine.scheduler.requests) + list(self._streams)))
+        aborted: list[RequestOutput] = []
+        try:
+            aborted = self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the requests in flight failed")
+        outputs.extend(aborted)
+        with self._streams_lock:
+            has_output = {o.request_id for o in aborted} if not as_error else set()
+            failed = [s for rid, s in self._streams.items() if rid not in has_output]
+            for s in failed:
+                del self._streams[s.request_id]
+        self._deliver([(s, error) for s in failed])
+
+    def _publish(self, outputs: list[RequestOutput], ran_step: bool) -> None:
+        """Send outputs to their streams, refresh the stats, call the stat loggers."""
+        items = []
+        with self._streams_lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                items.append((stream, out))
+        self._deliver(items)
+        sched = self.engine.scheduler
+        st = sched.stats
+        self._stats = EngineStatsSnapshot(
+            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
+            kv_cache_usage=sched.kv_cache_manager.usage,
+            num_preemptions_total=st.num_preemptions_total, num_steps_total=st.num_steps_total,
+            max_batch_size_seen=st.max_batch_size_seen)
+        if not self.stat_loggers:
+            return
+        it = IterationStats(self._stats, outputs,
+                            st.last_step_num_reqs if ran_step else 0,
+                            st.last_step_num_tokens if ran_step else 0)
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(it)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
+
+    @staticmethod
+    def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """One ``call_soon_threadsafe`` per event loop for the whole batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody listens any more
+                loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream._put(item)
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server (``llmserve serve``): pydantic protocol models,
+the FastAPI app, completions and chat handlers."""

@@ -1,0 +1,240 @@
+"""The FastAPI application of ``llmserve serve`` (routes as in vLLM's
+``vllm/entrypoints/openai/api_server.py``).
+
+=======================  ======  ===================================================
+route                    method  answer
+=======================  ======  ===================================================
+/v1/completions          POST    OpenAI completions (``stream`` as SSE)
+/v1/chat/completions     POST    OpenAI chat completions (``stream`` as SSE)
+/v1/models               GET     the served model(s)
+/health                  GET     200 when ready, 503 while loading or after a failure
+/version                 GET     ``{"version": ...}``
+/metrics                 GET     Prometheus text format (see :mod:`llmserve.metrics.prometheus`)
+/tokenize, /detokenize   POST    vLLM's tokenizer endpoints
+=======================  ======  ===================================================
+
+The model loads in a background thread started by the lifespan, so the port answers
+at once: until the engine is ready every model route returns 503. With an API key,
+``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. Every
+error uses OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from llmserve import __version__
+from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
+from llmserve.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("llmserve.server")
+
+
+class ServerState:
+    """What the routes share. ``ready`` is set last, after every handler exists."""
+
+    def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None):
+        self.served_model_names = list(served_model_names)
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_logger = PrometheusStatLogger(self.served_model_names[0])
+        self.engine: AsyncLLM | None = None
+        self.completion: OpenAIServingCompletion | None = None
+        self.chat: OpenAIServingChat | None = None
+        self.ready = False
+        self.load_error: str | None = None
+        self.exit_code = 0
+
+    def attach(self, engine: AsyncLLM) -> None:
+        args = (engine, self.served_model_names, self.max_waiting_requests)
+        self.completion = OpenAIServingCompletion(*args)
+        self.chat = OpenAIServingChat(*args)
+        self.engine = engine
+        self.ready = True
+
+    def require_engine(self) -> AsyncLLM:
+        if self.load_error is not None:
+            raise service_unavailable(f"the model failed to load: {self.load_error}")
+        if not self.ready or self.engine is None:
+            raise service_unavailable("the model is still loading; retry when /health is 200")
+        if not self.engine.is_running:
+            raise service_unavailable("the engine is not running (shutting down)")
+        return self.engine
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                                    "<key>'", "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(err.body(), 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(bad_request(message, param).body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind, None,
+                                     exc.status_code).body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                     "server_error", None, 500).body(), 500)
+
+
+def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
+              api_key: str | None = None, max_waiting_requests: int | None = None,
+              on_load_failure: Callable[[], None] | None = None,
+              on_ready: Callable[[AsyncLLM], None] | None = None) -> FastAPI:
+    """The application; its lifespan loads the model in a background thread.
+
+    Args:
+        served_model_names: names accepted as ``model``; the first is reported.
+        on_load_failure: called (from the loader thread) when loading fails, e.g. to
+            stop the server; ``app.state.server.exit_code`` is then 1.
+        on_ready: called (from the loader thread) once the engine runs.
+    """
+    state = ServerState(served_model_names, max_waiting_requests)
+
+    def load() -> None:
+        try:
+            engine = AsyncLLM.from_engine_args(engine_args, [state.stat_logger])
+        except Exception as e:  # ValueError: bad model or option; anything else: a bug
+            logger.error("the model failed to load: %s", e)
+            state.load_error, state.exit_code = str(e), 1
+            if on_load_failure is not None:
+                on_load_failure()
+            return
+        state.attach(engine)
+        if on_ready is not None:
+            on_ready(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        threading.Thread(target=load, name="llmserve-loader", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.require_engine()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.stat_logger.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        engine = state.require_engine()
+        cards = [ModelCard(id=name, root=engine.engine.config.model,
+                           max_model_len=engine.max_model_len)
+                 for name in state.served_model_names]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw_request: Request) -> Response:
+        state.require_engine()
+        return await state.completion.create_completion(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
+        state.require_engine()
+        return await state.chat.create_chat_completion(req, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        engine = state.require_engine()
+        state.chat.model_name(req.model)
+        tok = engine.tokenizer
+        if req.messages is not None:
+            ids = state.chat.render(ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt))
+        elif req.prompt is not None:
+            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            raise bad_request("send either prompt or messages", "prompt")
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return Response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
+                                         tokens=ids, token_strs=strs).model_dump_json(),
+                        media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        engine = state.require_engine()
+        state.chat.model_name(req.model)
+        vocab = engine.engine.config.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: {bad[0]} is not a token id in [0, {vocab})", "tokens")
+        text = engine.tokenizer.decode(req.tokens)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(),
+                        media_type="application/json")
+
+    return app

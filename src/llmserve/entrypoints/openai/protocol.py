@@ -1,0 +1,258 @@
+"""Request and response models of the OpenAI-compatible API.
+
+Sources: the OpenAI API reference (https://platform.openai.com/docs/api-reference:
+completions, chat, models, errors) and vLLM's ``vllm/entrypoints/openai/protocol.py``
+for the extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, skip_special_tokens, stop_token_ids, include_stop_str_in_output,
+priority) and for ``/tokenize`` and ``/detokenize``.
+
+Requests ignore unknown fields (clients send extra ones) but check types strictly:
+``"temperature": "hot"`` or ``"stream": 1`` is a 400, not a silent coercion.
+Ranges are checked later by :class:`~llmserve.sampling_params.SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(ResponseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- requests
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingFields(RequestModel):
+    """Fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None  # default 1.0
+    top_p: float | None = None  # default 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # only empty or absent is accepted
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    cache_salt: str | None = None  # requests with different salts never share prefix cache
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of
+    token ids, or a list of lists of token ids (one choice per prompt and ``n``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # legacy: number of top logprobs per token, 0..20
+    echo: bool = False
+    suffix: str | None = None  # not supported: 400 when set
+    best_of: int | None = None  # only None or == n
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. ``messages`` are checked by
+    :func:`llmserve.tokenizer.validate_messages` (roles; string or text-part content)."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's ``POST /tokenize``: either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(ResponseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: the stop string or token id
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(ResponseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(ResponseModel):
+    """A streamed piece of the assistant message; unset fields are left out."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _drop_none(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content))
+                if v is not None}
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "llmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

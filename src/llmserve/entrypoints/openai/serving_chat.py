@@ -1,0 +1,166 @@
+"""``POST /v1/chat/completions`` (OpenAI API reference, "Chat"; vLLM's
+``serving_chat.py``): the model's chat template over the messages, ``n``, chat
+``logprobs``/``top_logprobs``, and streaming as ``chat.completion.chunk`` events
+ending in ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from llmserve.engine.async_llm import RequestStream
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from llmserve.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    PromptInput,
+    bad_request,
+    collect,
+    iterate_streams,
+    random_id,
+    sse,
+    sse_error,
+    until_disconnect,
+)
+from llmserve.outputs import SampleLogprobs
+from llmserve.sampling_params import MAX_LOGPROBS
+from llmserve.tokenizer import apply_chat_template
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
+def _top(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR),
+            "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: SampleLogprobs,
+                  num_top: int) -> ChatCompletionLogProbs:
+    """OpenAI chat logprobs: per token its text, logprob, UTF-8 bytes and the
+    ``num_top`` most likely alternatives (by rank)."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid) or next(iter(entry.values()))
+        tops = sorted((e for e in entry.values() if e.rank is not None and e.rank <= num_top),
+                      key=lambda e: e.rank)
+        content.append(ChatCompletionLogProbsContent(
+            **_top(sampled.decoded_token or "", sampled.logprob),
+            top_logprobs=[TopLogprob(**_top(e.decoded_token or "", e.logprob)) for e in tops]))
+    return ChatCompletionLogProbs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of the chat endpoint (see :class:`OpenAIServing` for the args)."""
+
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        """Chat template -> prompt token ids. Raises APIError 400 for bad messages."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            return apply_chat_template(self.tokenizer, req.messages,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       tools=req.tools, **kwargs)
+        except (ValueError, TypeError, KeyError) as e:
+            raise bad_request(str(e), "messages") from None
+
+    async def create_chat_completion(self, req: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        """Raises APIError (400, 404, 503) before any output is sent."""
+        model = self.model_name(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                              f"{req.top_logprobs}", "top_logprobs")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_ids = self.render(req)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = (req.max_completion_tokens if req.max_completion_tokens is not None
+                     else req.max_tokens)
+        params = self.sampling_params(req, self.check_length(len(prompt_ids), requested, field),
+                                      num_top)
+        request_id = random_id("chatcmpl")
+        streams = await self.start(request_id, [(PromptInput(prompt_ids, cache_salt=req.cache_salt), params)], req.n,
+                                   req.priority)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(request_id, model, created, streams, len(prompt_ids), num_top,
+                             include_usage), media_type="text/event-stream")
+        try:
+            finals = await until_disconnect(raw_request, collect(streams))
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        finally:
+            for s in streams:
+                s.abort()
+        choices = []
+        num_generated = 0
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            num_generated += len(c.token_ids)
+            logprobs = None
+            if num_top is not None and c.logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
+            choices.append(ChatCompletionResponseChoice(
+                index=i, message=ChatMessage(content=c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        num_prompt = len(prompt_ids)
+        resp = ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                            total_tokens=num_prompt + num_generated))
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _stream(self, request_id: str, model: str, created: int,
+                      streams: list[RequestStream], num_prompt: int, num_top: int | None,
+                      include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices,
+                usage=usage).model_dump_json())
+
+        num_generated = 0
+        try:
+            for i in range(len(streams)):  # OpenAI: the role first, with empty content
+                yield chunk([ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for i, out in iterate_streams(streams):
+                c = out.outputs[0]
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if num_top is not None and c.logprobs:
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
+                if not c.text and logprobs is None and c.finish_reason is None:
+                    continue  # held back (stop-string buffer or an unfinished character)
+                yield chunk([ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(content=c.text or None), logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt,
+                                          completion_tokens=num_generated,
+                                          total_tokens=num_prompt + num_generated))
+        except Exception as e:  # the 200 header is out: report in-band, as vLLM does
+            yield sse_error(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,176 @@
+"""``POST /v1/completions`` (OpenAI API reference, "Completions"; vLLM's
+``serving_completion.py``): prompts as strings or token ids, ``n``, ``echo``,
+legacy ``logprobs``, and server-sent-event streaming ending in ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from llmserve.engine.async_llm import RequestStream
+from llmserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from llmserve.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    PromptInput,
+    bad_request,
+    collect,
+    iterate_streams,
+    random_id,
+    sse,
+    sse_error,
+    until_disconnect,
+)
+from llmserve.outputs import SampleLogprobs
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
+def completion_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: int,
+                        offset: int) -> tuple[CompletionLogProbs, int]:
+    """Legacy logprobs (OpenAI completions): ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (the sampled token and the ``num_top`` most likely, by text),
+    ``text_offset`` (character offset of each token, starting at ``offset``).
+
+    Returns:
+        The logprobs object and the offset after the last token.
+    """
+    lp = CompletionLogProbs()
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid) or next(iter(entry.values()))
+        token = sampled.decoded_token or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(max(sampled.logprob, LOGPROB_FLOOR))
+        lp.top_logprobs.append({
+            (e.decoded_token or ""): max(e.logprob, LOGPROB_FLOOR)
+            for t, e in entry.items() if t == tid or (e.rank is not None and e.rank <= num_top)})
+        lp.text_offset.append(offset)
+        offset += len(token)
+    return lp, offset
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handler of the completions endpoint (see :class:`OpenAIServing` for the args)."""
+
+    def _prompts(self, prompt: str | list) -> list[PromptInput]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt must not be empty", "prompt")
+                out.append(PromptInput(list(self.tokenizer.encode(p)), p))
+            else:
+                if not p:
+                    raise bad_request("prompt token id lists must not be empty", "prompt")
+                out.append(PromptInput(list(p)))
+        return out
+
+    def _prompt_text(self, prompt: PromptInput) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+        """Raises APIError (400, 404, 503) before any output is sent."""
+        model = self.model_name(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(f"best_of must be omitted or equal n ({req.n}), got "
+                              f"{req.best_of}", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which are not "
+                              "supported yet; drop one of them", "echo")
+        prompts = self._prompts(req.prompt)
+        for p in prompts:
+            p.cache_salt = req.cache_salt
+        jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), req.max_tokens),
+                                         req.logprobs)) for p in prompts]
+        request_id = random_id("cmpl")
+        streams = await self.start(request_id, jobs, req.n, req.priority)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(req, request_id, model, created, streams, prompts, include_usage),
+                media_type="text/event-stream")
+        try:
+            finals = await until_disconnect(raw_request, collect(streams))
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        finally:
+            for s in streams:
+                s.abort()
+        choices = []
+        num_generated = 0
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            num_generated += len(c.token_ids)
+            prefix = self._prompt_text(prompts[i // req.n]) if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None and c.logprobs is not None:
+                logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+            choices.append(CompletionResponseChoice(
+                index=i, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason))
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        resp = CompletionResponse(
+            id=request_id, created=created, model=model, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                            total_tokens=num_prompt + num_generated))
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str, created: int,
+                      streams: list[RequestStream], prompts: list[PromptInput],
+                      include_usage: bool) -> AsyncIterator[str]:
+        n = req.n
+        echoed = [False] * len(streams)
+        offsets = [0] * len(streams)
+        num_generated = 0
+        try:
+            async for i, out in iterate_streams(streams):
+                c = out.outputs[0]
+                num_generated += len(c.token_ids)
+                text = c.text
+                if req.echo and not echoed[i]:
+                    echoed[i] = True
+                    text = self._prompt_text(prompts[i // n]) + text
+                logprobs = None
+                if req.logprobs is not None and c.logprobs:
+                    logprobs, offsets[i] = completion_logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, offsets[i])
+                if not text and logprobs is None and c.finish_reason is None:
+                    continue  # held back (stop-string buffer or an unfinished character)
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[
+                        CompletionResponseChoice(index=i, text=text, logprobs=logprobs,
+                                                 finish_reason=c.finish_reason,
+                                                 stop_reason=c.stop_reason)])
+                yield sse(chunk.model_dump_json())
+            if include_usage:
+                num_prompt = sum(len(p.token_ids) for p in prompts)
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                  total_tokens=num_prompt + num_generated)
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                   choices=[], usage=usage).model_dump_json())
+        except Exception as e:  # the 200 header is out: report in-band, as vLLM does
+            yield sse_error(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,305 @@
+"""What completions and chat share: errors in OpenAI's shape, model and capacity
+checks, request fields -> :class:`SamplingParams`, the context-length check, the
+``n`` fan-out, and iteration over several request streams.
+
+Error statuses (OpenAI API reference, "Error codes"; vLLM's server): 400 invalid
+parameters, 401 bad API key, 404 unknown model or route, 503 loading or overloaded,
+500 an engine failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from llmserve.engine.async_llm import (
+    AsyncLLM,
+    EngineShutdownError,
+    RequestStream,
+    merge_delta,
+)
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+)
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+MAX_N = 128  # most choices one request may ask for
+
+
+class APIError(Exception):
+    """An error to send as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+
+_FIELD_RE = re.compile(r"^([a-z_]+)")
+_FIELDS = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)) - {
+    "model"}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """400; ``param`` defaults to the request field named at the start of ``message``
+    (messages of SamplingParams, the tokenizer and the engine start with it)."""
+    if param is None:
+        m = _FIELD_RE.match(message)
+        word = m.group(1) if m else ""
+        param = word if word in _FIELDS else ("prompt" if word.startswith("prompt") else None)
+    return APIError(400, message, "invalid_request_error", param)
+
+
+def service_unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable_error", None, 503)
+
+
+def sse(payload: str) -> str:
+    """One server-sent event (https://html.spec.whatwg.org/#server-sent-events)."""
+    return f"data: {payload}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """The error event sent when a stream fails after its 200 header went out."""
+    err = e if isinstance(e, APIError) else APIError(
+        500, f"{type(e).__name__}: {e}", "server_error", None, 500)
+    return sse(json.dumps(err.body(), ensure_ascii=False))
+
+
+@dataclass
+class PromptInput:
+    """A tokenized prompt; ``text`` is None when it came as token ids (decoded lazily)."""
+
+    token_ids: list[int]
+    text: str | None = None
+    cache_salt: str | None = None
+
+    def as_engine_prompt(self) -> dict[str, Any]:
+        prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def fan_out(request_id: str, params: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
+    """``n`` choices as ``n`` engine requests ``{id}-{i}``, seeds ``seed + i``.
+
+    The engine takes ``n == 1`` only; this is the one place to swap for native n > 1
+    (shared-prefix sampling) once the engine has it.
+    """
+    if n == 1:
+        return [(request_id, params)]
+    out = []
+    for i in range(n):
+        p = params.clone()
+        if p.seed is not None:
+            p.seed = params.seed + i
+        out.append((f"{request_id}-{i}", p))
+    return out
+
+
+class OpenAIServing:
+    """Base of the completions and chat handlers.
+
+    Args:
+        engine: the running engine.
+        served_model_names: names a request may pass as ``model``; the first is reported.
+        max_waiting_requests: 503 when this many requests already wait (None: no limit).
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_waiting_requests = max_waiting_requests
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to report. Raises APIError 404 for a model we do not serve."""
+        if requested is None or requested in self.served_model_names:
+            return requested or self.served_model_names[0]
+        raise APIError(404, f"The model `{requested}` does not exist. Served: "
+                            f"{', '.join(self.served_model_names)}",
+                       "invalid_request_error", "model", "model_not_found")
+
+    def check_capacity(self) -> None:
+        """Raises APIError 503 when the waiting queue is full or the engine is down."""
+        if not self.engine.is_running:
+            raise service_unavailable("the engine is not running (shutting down)")
+        limit = self.max_waiting_requests
+        if limit is not None:
+            waiting = self.engine.get_stats().num_waiting_reqs
+            if waiting >= limit:
+                raise service_unavailable(
+                    f"the server is overloaded: {waiting} requests are waiting "
+                    f"(--max-waiting-requests {limit}); retry later")
+
+    def check_length(self, prompt_len: int, max_tokens: int | None,
+                     field: str = "max_tokens") -> int:
+        """Resolve ``max_tokens`` against the context, as vLLM and OpenAI do.
+
+        Returns:
+            ``max_tokens``, or all the room left when it is None.
+
+        Raises:
+            APIError 400: the prompt leaves no room, or prompt + max_tokens > max_model_len.
+        """
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {prompt_len} tokens (at least one output token must fit). "
+                f"Please reduce the length of the prompt.", "prompt")
+        if max_tokens is None:
+            return limit - prompt_len
+        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                f"or completion.", field)
+        return max_tokens
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """Request fields -> SamplingParams (OpenAI defaults). Raises APIError 400."""
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if not 1 <= req.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream=true",
+                              "stream_options")
+        kw = dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                  presence_penalty=req.presence_penalty,
+                  frequency_penalty=req.frequency_penalty, top_k=req.top_k, min_p=req.min_p,
+                  repetition_penalty=req.repetition_penalty)
+        try:
+            return SamplingParams(
+                n=1, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
+                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                **{k: v for k, v in kw.items() if v is not None})
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def start(self, base_id: str, prompts: Sequence[tuple[PromptInput, SamplingParams]],
+                    n: int, priority: int = 0) -> list[RequestStream]:
+        """Add every (prompt, choice) to the engine at once; streams in choice order
+        (prompt-major: choice ``p * n + i``).
+
+        Raises:
+            APIError: 400 for the engine's ValueError (nothing is left running),
+                503 when the engine is shutting down.
+        """
+        self.check_capacity()
+        jobs = []
+        for p, (prompt, params) in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{p}"
+            jobs += [(sub_id, prompt, sub_params) for sub_id, sub_params in
+                     fan_out(rid, params, n)]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, prompt.as_engine_prompt(), params, priority)
+              for rid, prompt, params in jobs), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return list(results)
+        for r in results:
+            if isinstance(r, RequestStream):
+                r.abort()
+        err = errors[0]
+        if isinstance(err, ValueError):
+            raise bad_request(str(err))
+        if isinstance(err, EngineShutdownError):
+            raise service_unavailable(str(err))
+        raise err
+
+
+async def iterate_streams(streams: Sequence[RequestStream]
+                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(stream index, output)`` from several streams as outputs arrive.
+    An exception from any stream is re-raised; the caller aborts the streams."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Wait for every stream to finish; one merged (whole) output per stream."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in iterate_streams(streams):
+        finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
+    return finals  # type: ignore[return-value]
+
+
+async def until_disconnect(raw_request: Request, coro: Any) -> Any:
+    """Run ``coro`` unless the client disconnects first (then cancel it, which aborts
+    its engine requests, and raise ``asyncio.CancelledError``). The request body must
+    already be read; vLLM's ``with_cancellation`` does the same."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return work.result()
