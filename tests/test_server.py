@@ -380,3 +380,33 @@ def test_metrics_have_the_vllm_names(server):
         assert "llmserve:" + name in m, name
     assert m['llmserve:request_success_total{finished_reason="length"}'] > 0
     assert m["llmserve:time_to_first_token_seconds_count"] > 0
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    before = metrics(server.url)
+    system = "You are a terse assistant that answers in one word. " * 12
+    first = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": "Colour of grass?"}],
+        max_tokens=2, temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": "Colour of snow?"}],
+        max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details is not None
+    assert cached >= 100 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    after = metrics(server.url)
+    hits = "llmserve:prefix_cache_hits_total"
+    assert after[hits] - before.get(hits, 0) >= cached
+    assert after["llmserve:prefix_cache_queries_total"] > before.get(
+        "llmserve:prefix_cache_queries_total", 0)
+
+
+def test_n_choices_equal_separate_seeded_requests(client):
+    kw = dict(model=MODEL, prompt="A haiku about autumn:", max_tokens=8, temperature=1.0)
+    resp = client.completions.create(n=3, seed=11, **kw)
+    for i, choice in enumerate(resp.choices):
+        alone = client.completions.create(n=1, seed=11 + i, **kw)
+        assert choice.text == alone.choices[0].text, i
+    assert resp.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once

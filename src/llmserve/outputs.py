@@ -83,7 +83,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # every gap between tokens, s (final output only)
 
     def __repr__(self) -> str:
         texts = [o.text[:40] for o in self.outputs]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -64,6 +65,7 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> RequestOutput:
     a.cumulative_logprob = b.cumulative_logprob
     a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     into.finished, into.metrics, into.itl = new.finished, new.metrics, new.itl
+    into.num_cached_tokens = max(into.num_cached_tokens, new.num_cached_tokens)
     return into
 
 
@@ -155,20 +157,21 @@ class AsyncLLM:
         pending = self._num_pending_adds
         if not pending:
             return s
-        return EngineStatsSnapshot(s.num_running_reqs, s.num_waiting_reqs + pending,
-                                   s.kv_cache_usage, s.num_preemptions_total,
-                                   s.num_steps_total, s.max_batch_size_seen)
+        return dataclasses.replace(s, num_waiting_reqs=s.num_waiting_reqs + pending)
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams, priority: int = 0,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          fork_from: str | None = None) -> RequestStream:
         """Queue a request in the engine; returns its output stream once accepted.
 
         Args:
             prompt: a string or ``{"prompt_token_ids": [...], "prompt": text}``.
             arrival_time: ``time.time()`` when the request arrived (default: now); TTFT
                 and queue time are measured from it.
+            fork_from: a request with the same prompt to share the prompt KV with
+                (``n > 1``; see :meth:`LLMEngine.add_request`).
 
         Raises:
             ValueError: the engine's validation message (empty prompt, prompt longer
@@ -188,7 +191,7 @@ class AsyncLLM:
                 self._unregister(request_id)
                 raise EngineShutdownError("the engine is shutting down")
             self._commands.append(("add", (request_id, prompt, sampling_params, priority,
-                                           arrival, accepted)))
+                                           arrival, accepted, fork_from)))
             self._num_pending_adds += 1
             self._cv.notify()
         try:
@@ -303,14 +306,15 @@ class AsyncLLM:
         return had_work and not ran and not outputs
 
     def _apply_add(self, payload: tuple, stopping: bool) -> None:
-        request_id, prompt, params, priority, arrival, accepted = payload
+        request_id, prompt, params, priority, arrival, accepted, fork_from = payload
         error: BaseException | None = None
         if stopping:
             error = EngineShutdownError("the engine is shutting down")
         else:
             try:
                 self.engine.add_request(request_id, prompt, params, RequestOutputKind.DELTA,
-                                        arrival_time=arrival, priority=priority)
+                                        arrival_time=arrival, priority=priority,
+                                        fork_from=fork_from)
             except Exception as e:  # ValueError: validation; anything else: a bug
                 error = e
         with self._cv:
@@ -361,7 +365,9 @@ class AsyncLLM:
             num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
             kv_cache_usage=sched.kv_cache_manager.usage,
             num_preemptions_total=st.num_preemptions_total, num_steps_total=st.num_steps_total,
-            max_batch_size_seen=st.max_batch_size_seen)
+            max_batch_size_seen=st.max_batch_size_seen,
+            prefix_cache_queries_total=st.prefix_cache_queries_total,
+            prefix_cache_hits_total=st.prefix_cache_hits_total)
         if not self.stat_loggers:
             return
         it = IterationStats(self._stats, outputs,

@@ -137,7 +137,7 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, fork_from: str | None = None) -> str:
         """Validate and queue one request; returns its id.
 
         ``max_tokens`` is capped at ``max_model_len - prompt length``. With
@@ -145,6 +145,8 @@ class LLMEngine:
         (child i samples with ``seed + i`` when a seed is given, as vLLM).
         ``priority``: lower runs first under ``scheduling_policy="priority"``.
         ``cache_salt``: requests with different salts never share prefix cache.
+        ``fork_from``: the id of a queued request with the same prompt whose prompt
+        KV this one shares once computed (how the server runs an OpenAI ``n``).
 
         Raises:
             ValueError: naming the field (prompt, sampling parameters, length).
@@ -182,11 +184,20 @@ class LLMEngine:
                     child_params.seed = params.seed + i
             req = Request(child_id, prompt_ids, child_params, max_tokens, self.eos_token_ids,
                           arrival_time=arrival, priority=priority, cache_salt=cache_salt,
-                          fork_from=child_ids[0] if i > 0 else None)
+                          fork_from=child_ids[0] if i > 0 else self._fork_source(fork_from,
+                                                                                  prompt_ids))
             self.scheduler.add_request(req)
             self.output_processor.add_request(child_id, prompt_text, prompt_ids, child_params,
                                               output_kind, arrival, parent=parent, index=i)
         return request_id
+
+    def _fork_source(self, fork_from: str | None, prompt_ids: list[int]) -> str | None:
+        if fork_from is None:
+            return None
+        leader = self.scheduler.requests.get(fork_from)
+        if leader is None or leader.prompt_token_ids != prompt_ids:
+            return None  # unknown, finished, or another prompt: compute our own
+        return fork_from
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests; their blocks are freed at once. Unknown ids are ignored."""

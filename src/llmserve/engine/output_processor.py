@@ -187,4 +187,4 @@ class OutputProcessor:
             logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
                              finished, st.metrics, num_cached_tokens=st.num_cached_tokens,
-                             itl=list(st.itl))
+                             itl=list(st.itl) if finished else [])  # once, not O(n^2)

@@ -13,7 +13,9 @@ llmserve:kv_cache_usage_perc               gauge      used KV blocks / usable bl
 llmserve:max_batch_size                    gauge      most requests in one step since start
 llmserve:prompt_tokens_total               counter    prompt tokens of requests that prefilled
 llmserve:generation_tokens_total           counter    generated tokens
-llmserve:num_preemptions_total             counter    preemptions (KV freed, recompute later)
+llmserve:num_preemptions_total             counter    preemptions (recompute or swap)
+llmserve:prefix_cache_queries_total        counter    prompt tokens looked up in the prefix cache
+llmserve:prefix_cache_hits_total           counter    prompt tokens found in the prefix cache
 llmserve:request_success_total             counter    finished requests, by ``finished_reason``
                                                       (stop, length, abort)
 llmserve:time_to_first_token_seconds       histogram  arrival -> first token (TTFT)
@@ -87,6 +89,10 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
         self._success = Counter(PREFIX + "request_success", "Finished requests.",
                                 ["model_name", "finished_reason"], registry=reg)
         for reason in ("stop", "length", "abort"):
@@ -114,6 +120,7 @@ class PrometheusStatLogger:
         self._lock = threading.Lock()
         self._num_generated: dict[str, int] = {}  # request id -> output tokens so far
         self._last_preemptions = 0
+        self._last_prefix = (0, 0)
 
     def record(self, stats: IterationStats) -> None:
         """Update the metrics from one engine iteration (engine thread)."""
@@ -126,6 +133,11 @@ class PrometheusStatLogger:
             if snap.num_preemptions_total > self._last_preemptions:
                 self.preemptions.inc(snap.num_preemptions_total - self._last_preemptions)
                 self._last_preemptions = snap.num_preemptions_total
+            queries, hits = snap.prefix_cache_queries_total, snap.prefix_cache_hits_total
+            if queries > self._last_prefix[0]:
+                self.prefix_queries.inc(queries - self._last_prefix[0])
+                self.prefix_hits.inc(hits - self._last_prefix[1])
+                self._last_prefix = (queries, hits)
             if stats.step_num_reqs:
                 self.iteration_tokens.observe(stats.step_num_tokens)
                 self.iteration_reqs.observe(stats.step_num_reqs)

@@ -28,6 +28,8 @@ class EngineStatsSnapshot:
         num_preemptions_total: preemptions since start (monotonic).
         num_steps_total: engine steps that ran the model since start.
         max_batch_size_seen: most requests scheduled in one step since start.
+        prefix_cache_queries_total: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits_total: prompt tokens found there (monotonic).
     """
 
     num_running_reqs: int = 0
@@ -36,6 +38,8 @@ class EngineStatsSnapshot:
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     max_batch_size_seen: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 @dataclass

@@ -121,10 +121,24 @@ class DetokenizeRequest(RequestModel):
 
 
 # ---------------------------------------------------------------------- responses
+class PromptTokensDetails(ResponseModel):
+    """``cached_tokens``: prompt tokens served from the prefix cache (OpenAI's field)."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def usage_info(num_prompt: int, num_generated: int, cached: int) -> UsageInfo:
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` counts prefix-cache hits."""
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                     total_tokens=num_prompt + num_generated,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionLogProbs(ResponseModel):

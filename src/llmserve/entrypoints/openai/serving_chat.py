@@ -25,7 +25,7 @@ from llmserve.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     TopLogprob,
-    UsageInfo,
+    usage_info,
 )
 from llmserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -126,8 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(prompt_ids)
         resp = ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated))
+            usage=usage_info(num_prompt, num_generated, finals[0].num_cached_tokens))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def _stream(self, request_id: str, model: str, created: int,
@@ -139,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage).model_dump_json())
 
         num_generated = 0
+        cached = 0
         try:
             for i in range(len(streams)):  # OpenAI: the role first, with empty content
                 yield chunk([ChatCompletionStreamChoice(
@@ -146,6 +146,8 @@ class OpenAIServingChat(OpenAIServing):
             async for i, out in iterate_streams(streams):
                 c = out.outputs[0]
                 num_generated += len(c.token_ids)
+                if i == 0:
+                    cached = max(cached, out.num_cached_tokens)
                 logprobs = None
                 if num_top is not None and c.logprobs:
                     logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
@@ -155,9 +157,7 @@ class OpenAIServingChat(OpenAIServing):
                     index=i, delta=DeltaMessage(content=c.text or None), logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
             if include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt,
-                                          completion_tokens=num_generated,
-                                          total_tokens=num_prompt + num_generated))
+                yield chunk([], usage_info(num_prompt, num_generated, cached))
         except Exception as e:  # the 200 header is out: report in-band, as vLLM does
             yield sse_error(e)
         finally:

@@ -19,7 +19,7 @@ from llmserve.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    UsageInfo,
+    usage_info,
 )
 from llmserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -129,10 +129,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 index=i, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason))
         num_prompt = sum(len(p.token_ids) for p in prompts)
+        cached = sum(out.num_cached_tokens for out in finals[::req.n])  # once per prompt
         resp = CompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated))
+            usage=usage_info(num_prompt, num_generated, cached))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str, created: int,
@@ -142,10 +142,13 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = [False] * len(streams)
         offsets = [0] * len(streams)
         num_generated = 0
+        cached = [0] * len(prompts)
         try:
             async for i, out in iterate_streams(streams):
                 c = out.outputs[0]
                 num_generated += len(c.token_ids)
+                if i % n == 0:
+                    cached[i // n] = max(cached[i // n], out.num_cached_tokens)
                 text = c.text
                 if req.echo and not echoed[i]:
                     echoed[i] = True
@@ -164,8 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(chunk.model_dump_json())
             if include_usage:
                 num_prompt = sum(len(p.token_ids) for p in prompts)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                  total_tokens=num_prompt + num_generated)
+                usage = usage_info(num_prompt, num_generated, sum(cached))
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
                                                    choices=[], usage=usage).model_dump_json())
         except Exception as e:  # the 200 header is out: report in-band, as vLLM does

@@ -102,20 +102,21 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def fan_out(request_id: str, params: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
-    """``n`` choices as ``n`` engine requests ``{id}-{i}``, seeds ``seed + i``.
-
-    The engine takes ``n == 1`` only; this is the one place to swap for native n > 1
-    (shared-prefix sampling) once the engine has it.
+def fan_out(request_id: str, params: SamplingParams, n: int
+            ) -> list[tuple[str, SamplingParams, str | None]]:
+    """``n`` choices as ``n`` engine requests ``{id}-{i}`` (seeds ``seed + i``, as
+    vLLM), each with the id of the request it forks from: choices 1..n-1 share
+    choice 0's prompt KV once it is computed (copy-on-write), so the prompt is
+    computed once.
     """
     if n == 1:
-        return [(request_id, params)]
+        return [(request_id, params, None)]
     out = []
     for i in range(n):
         p = params.clone()
         if p.seed is not None:
             p.seed = params.seed + i
-        out.append((f"{request_id}-{i}", p))
+        out.append((f"{request_id}-{i}", p, f"{request_id}-0" if i else None))
     return out
 
 
@@ -222,11 +223,12 @@ class OpenAIServing:
         jobs = []
         for p, (prompt, params) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{p}"
-            jobs += [(sub_id, prompt, sub_params) for sub_id, sub_params in
+            jobs += [(sub_id, prompt, sub_params, leader) for sub_id, sub_params, leader in
                      fan_out(rid, params, n)]
         results = await asyncio.gather(
-            *(self.engine.add_request(rid, prompt.as_engine_prompt(), params, priority)
-              for rid, prompt, params in jobs), return_exceptions=True)
+            *(self.engine.add_request(rid, prompt.as_engine_prompt(), params, priority,
+                                      fork_from=leader)
+              for rid, prompt, params, leader in jobs), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
             return list(results)
