@@ -14,6 +14,7 @@ from llmserve.config import DTYPE_BYTES, EngineConfig
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
+from llmserve.layers.quantization import resolve_quantization
 from llmserve.loader import iter_weights, load_model_config, resolve_model
 from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
@@ -90,16 +91,22 @@ class LLMEngine:
         source = resolve_model(args.model)
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
+        quant = resolve_quantization(args.quantization, model_kind=source.kind,
+                                     dtype=config.dtype, device=config.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         tokenizer = load_tokenizer(source)
         model_cls = get_model_class(model_config.architecture)
         with torch.device(config.device):
             model = model_cls(model_config, TORCH_DTYPES[config.dtype], config.attention_backend)
-        model.load_weights(iter_weights(source, model_config))
+        # a quantization method replaces the layers' matmuls; the model code is unchanged
+        model.load_weights(iter_weights(source, model_config, quantization=quant))
+        if quant is not None:
+            quant.process_model(model)
         model.eval()
-        logger.info("loaded %s (%s, %s) in %.1f s", source.name, model_config.architecture,
-                    config.dtype, time.perf_counter() - t0)
+        logger.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name,
+                    model_config.architecture, config.dtype, quant.name if quant else "dense",
+                    time.perf_counter() - t0)
         return cls(config, tokenizer, model)
 
     # ------------------------------------------------------------------ requests

@@ -5,13 +5,24 @@ output dimension (``gate_up_proj`` = [gate; up]); ``QKVLinear`` does the same
 for q/k/v (as vLLM's ``QKVParallelLinear``), so one matmul serves all three::
 
     weight [q_size + 2 * kv_size, hidden]     rows: | q (H*D) | k (Hkv*D) | v (Hkv*D) |
+
+Every layer computes through ``self.quant_method`` (a
+:class:`~llmserve.layers.quantization.base.LinearMethodBase`), dense by default.
+A layer that receives a quantized checkpoint tensor (``QuantizedTensor``) for its
+weight switches to the method that tensor's config names (e.g. native GGUF 4-bit);
+the model code never changes.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from llmserve.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizedTensor,
+    UnquantizedLinearMethod,
+)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -21,17 +32,26 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         dst.copy_(src)  # casts to the parameter's dtype and device
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter,
+                          loaded_weight: torch.Tensor | QuantizedTensor) -> None:
     """Copy a checkpoint tensor into ``param`` (cast to its dtype/device).
+
+    A :class:`QuantizedTensor` (e.g. a GGUF Q8_0 embedding) is dequantized by its
+    reference formula and kept on ``param.quantized_source`` for
+    ``QuantizationConfig.process_model`` (which may run a tied LM head natively).
 
     Raises:
         ValueError: when the shapes differ.
     """
+    if isinstance(loaded_weight, QuantizedTensor):
+        _copy_checked(param.data, loaded_weight.dequantize(), "weight")
+        param.quantized_source = loaded_weight
+        return
     _copy_checked(param.data, loaded_weight, "weight")
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``; weight ``[output_size, input_size]``."""
+    """``y = x W^T (+ b)``; weight ``[output_size, input_size]``, computed by ``quant_method``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -42,15 +62,50 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
+        # weight rows already loaded as (offset, size), in load order
+        self.loaded_weight_rows: list[tuple[int, int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, input_size]`` -> ``[num_tokens, output_size]``."""
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
+        """``(row offset, rows)`` of a shard in the (fused) weight; the whole weight for None."""
+        return 0, self.output_size
+
+    def weight_loader(self, param: nn.Parameter,
+                      loaded_weight: torch.Tensor | QuantizedTensor,
                       shard_id: int | str | None = None) -> None:
-        """Copy a whole checkpoint tensor. Raises ValueError on a shape mismatch."""
-        default_weight_loader(param, loaded_weight)
+        """Load a checkpoint tensor (or one shard of a fused weight) into ``param``.
+
+        Args:
+            param: ``self.weight`` or ``self.bias``.
+            loaded_weight: ``[rows, input_size]`` (weight) or ``[rows]`` (bias), a float
+                tensor or a :class:`QuantizedTensor` (then the layer switches to the
+                method its config names, once, on the first quantized shard).
+            shard_id: see :meth:`shard_rows`; None = the whole tensor.
+
+        Raises:
+            ValueError: on a shape mismatch or an unknown shard id.
+        """
+        offset, size = self.shard_rows(shard_id)
+        what = "weight" if shard_id is None else f"shard {shard_id!r}"
+        if param is not self.weight:  # bias: always dense
+            if isinstance(loaded_weight, QuantizedTensor):
+                loaded_weight = loaded_weight.dequantize()
+            dst = param.data if shard_id is None else param.data.narrow(0, offset, size)
+            _copy_checked(dst, loaded_weight, what)
+            return
+        expected = (size, self.input_size)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"{what}: expected shape {expected}, "
+                             f"got {tuple(loaded_weight.shape)}")
+        if isinstance(loaded_weight, QuantizedTensor) and \
+                isinstance(self.quant_method, UnquantizedLinearMethod):
+            self.quant_method = loaded_weight.config.get_linear_method(self)
+        self.quant_method.load_weight(self, loaded_weight, offset)
+        self.loaded_weight_rows.append((offset, size))
 
 
 class MergedColumnLinear(Linear):
@@ -67,20 +122,21 @@ class MergedColumnLinear(Linear):
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
     def shard_index(self, shard_id: int | str) -> int:
-        return int(shard_id)
+        i = int(shard_id)
+        if not 0 <= i < len(self.output_sizes):
+            raise ValueError(f"unknown shard {shard_id!r}; expected 0..{len(self.output_sizes) - 1}")
+        return i
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        """Copy one shard (``weight`` ``[size, input_size]`` or ``bias`` ``[size]``).
+    def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
+        """Shard ``i`` -> ``(sum(output_sizes[:i]), output_sizes[i])``; None = the whole weight.
 
         Raises:
-            ValueError: on a shape mismatch or an unknown shard id.
+            ValueError: an unknown shard id.
         """
         if shard_id is None:
-            return super().weight_loader(param, loaded_weight)
+            return 0, self.output_size
         i = self.shard_index(shard_id)
-        rows = param.data.narrow(0, self.offsets[i], self.output_sizes[i])
-        _copy_checked(rows, loaded_weight, f"shard {shard_id!r}")
+        return self.offsets[i], self.output_sizes[i]
 
 
 class QKVLinear(MergedColumnLinear):

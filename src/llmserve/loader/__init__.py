@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.layers.quantization.base import QuantizationConfig, QuantizedTensor
 from llmserve.loader.gguf_loader import iter_gguf_weights, read_gguf_config
 from llmserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
 from llmserve.loader.source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
@@ -43,16 +44,20 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return read_hf_config(source.path)
 
 
-def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, config: ModelConfig,
+                 quantization: QuantizationConfig | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(hf_name, tensor)`` pairs for every weight of the model.
 
     See :func:`~llmserve.loader.gguf_loader.iter_gguf_weights` (float32, Q/K un-permuted)
     and :func:`~llmserve.loader.safetensors_loader.iter_safetensors_weights` (as stored).
+    ``quantization`` (GGUF only; ignored for safetensors): tensors of the types it runs
+    natively come out as :class:`QuantizedTensor` raw blocks.
 
     Raises:
         ValueError: unsupported tensor type, missing shard, or unknown ``source.kind``.
     """
     _check_kind(source)
     if source.kind == "gguf":
-        return iter_gguf_weights(source.path, config)
+        return iter_gguf_weights(source.path, config, quantization)
     return iter_safetensors_weights(source.path)

@@ -15,7 +15,9 @@ becomes the Hugging Face ``[out_features, in_features]``.
 The header is parsed here instead of with ``gguf.GGUFReader`` because that
 reader builds a numpy view per tokenizer string (~3 s for a 49k vocabulary);
 large arrays are skipped, not materialized. Dequantization uses
-``gguf.quants.dequantize`` (llama.cpp's reference formulas in numpy).
+``gguf.quants.dequantize`` (llama.cpp's reference formulas in numpy). With a
+quantization config, tensors of the types it runs natively come out as raw blocks
+(:class:`~llmserve.layers.quantization.gguf_blocks.GGUFQuantizedTensor`) instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from llmserve.config import ModelConfig
+from llmserve.layers.quantization.base import QuantizationConfig
+from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
 
 _Q = GGMLQuantizationType
 SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -269,13 +273,16 @@ def read_gguf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     return config, meta
 
 
+def _raw_bytes(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes as uint8 ``[*shape[:-1], bytes per row]`` (a view of the file)."""
+    byte_shape = quant_shape_to_byte_shape(info.shape, GGMLQuantizationType(info.ggml_type))
+    nbytes = int(np.prod(byte_shape))
+    return np.asarray(mm[info.offset:info.offset + nbytes]).reshape(byte_shape)
+
+
 def _read_tensor(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to a float32 array of ``info.shape`` that owns its memory."""
-    qtype = GGMLQuantizationType(info.ggml_type)
-    byte_shape = quant_shape_to_byte_shape(info.shape, qtype)
-    nbytes = int(np.prod(byte_shape))
-    raw = np.asarray(mm[info.offset:info.offset + nbytes]).reshape(byte_shape)
-    out = dequantize(raw, qtype)
+    out = dequantize(_raw_bytes(mm, info), GGMLQuantizationType(info.ggml_type))
     if not out.flags.writeable or out.dtype != np.float32:  # F32 is a view of the file
         out = np.array(out, dtype=np.float32)
     return out.reshape(info.shape)
@@ -311,7 +318,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
                      "supported architectures")
 
 
-def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, config: ModelConfig,
+                      quantization: QuantizationConfig | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every weight of a GGUF file, in file order.
 
     Names: ``model.embed_tokens.weight`` [vocab, hidden], ``model.layers.{i}.
@@ -321,6 +330,10 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
     only when the file has ``output.weight`` (untied). For ``llama`` files, Q/K rows are
     un-permuted back to HF order (q by ``num_attention_heads``, k by
     ``num_key_value_heads``); ``qwen2`` files are stored unpermuted.
+
+    With ``quantization``, a 2-D tensor whose type is in its ``gguf_raw_types`` comes
+    out as a :class:`GGUFQuantizedTensor` (raw blocks ``[rows, bytes per row]``; the
+    Q/K un-permutation moves whole rows of blocks, which is exact) instead.
 
     Raises:
         ValueError: a tensor of a type outside :data:`SUPPORTED_GGUF_TYPES`, or an unknown
@@ -339,17 +352,23 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
             raise ValueError(f"GGUF tensor {info.name!r} has type {tname}, which is not "
                              f"supported; supported types: {supported}")
         hf_tensor_name(info.name)
+    raw_types = quantization.gguf_raw_types if quantization is not None else frozenset()
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for info in header.tensors:
         name = hf_tensor_name(info.name)
         if name is None:
             continue
-        w = _read_tensor(mm, info)
+        type_name = GGMLQuantizationType(info.ggml_type).name
+        raw = len(info.shape) == 2 and type_name in raw_types
+        w = _raw_bytes(mm, info) if raw else _read_tensor(mm, info)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = _unpermute(w, config.num_attention_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             w = _unpermute(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(w)
+        if raw:
+            yield name, GGUFQuantizedTensor(type_name, info.shape, w, quantization)
+        else:
+            yield name, torch.from_numpy(w)
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""Benchmarks: datasets, metric arithmetic, offline and serving runners, peer engines."""

@@ -1,0 +1,65 @@
+"""Helpers for the benchmarks: build an offline :class:`~llmserve.LLM` in a given
+weight format (``quantization=``), and describe its weights."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.llm import LLM
+from llmserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("llmserve")
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    """An :class:`LLMEngine` whose weights are in the format ``args.quantization`` names
+    (the engine's own loader; kept as the benchmarks' single entry point).
+
+    Raises:
+        ValueError: a bad option, an unknown model, or a format the model, dtype or
+            device cannot run.
+    """
+    return LLMEngine.from_engine_args(args)
+
+
+def build_llm(**kwargs: Any) -> LLM:
+    """``LLM(**kwargs)`` honouring ``quantization=`` (see :class:`EngineArgs`).
+
+    Raises:
+        ValueError: as :func:`build_engine`.
+    """
+    return LLM.from_engine(build_engine(EngineArgs(**kwargs)))
+
+
+def weight_format_of(llm: LLM) -> str:
+    """``"gguf-native"``, ``"gguf-hybrid"`` or ``"dense"``: how the linear layers run."""
+    for module in llm.engine.runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        config = getattr(method, "config", None)
+        if config is not None and getattr(config, "name", ""):
+            return config.name
+    return "dense"
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear layer and the LM head.
+
+    Packed native weights count their packed bytes (codes + scales), dense weights
+    their dtype's; the embedding lookup (one row per token) is left out.
+    """
+    total = 0
+    for module in model.modules():
+        packed = getattr(getattr(module, "quant_method", None), "packed", None)
+        if packed is not None:  # gguf-hybrid also decodes small batches from packed weights
+            total += packed.nbytes()
+        elif hasattr(module, "quant_method"):
+            total += module.weight.numel() * module.weight.element_size()
+    if getattr(model, "lm_head", None) is None:  # tied: the embedding table is the LM head
+        table = model.model.embed_tokens.weight
+        packed = getattr(table, "packed", None)
+        total += packed.nbytes() if packed is not None else table.numel() * table.element_size()
+    return total

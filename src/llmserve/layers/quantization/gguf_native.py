@@ -1,0 +1,177 @@
+"""Native GGUF Q4_0 / Q4_1 / Q8_0 weights: the int4 CPU kernel instead of dense matmuls.
+
+Registered as ``gguf-native`` (packed weights only, the least memory) and
+``gguf-hybrid`` (packed weights for steps of at most ``dense_threshold`` tokens,
+plus a dense bfloat16 copy for larger steps, where a dense GEMM is faster: the
+int4 kernel re-dequantizes every weight once per 4 rows of ``x``). Numerics and
+the kernel's contract: :mod:`llmserve.layers.quantization.int4pack`.
+
+Loading: each ``Linear`` switches to :class:`GGUFNativeLinearMethod` on its first
+raw shard, collects its shards, and packs once every row is loaded. A fused
+layer with any non-native shard (e.g. a Q6_K ``v_proj`` next to Q4_K ``q_proj``)
+stays dense. A tied embedding (``lm_head`` = ``embed_tokens``) keeps its dense
+table for the lookup, and :meth:`GGUFNativeConfig.process_model` gives the LM
+head matmul the packed weight (the largest matmul of small models: 49152 x 576
+for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizedTensor,
+    UnquantizedLinearMethod,
+)
+from llmserve.layers.quantization.gguf_blocks import NATIVE_GGUF_TYPES, GGUFQuantizedTensor
+from llmserve.layers.quantization.int4pack import Int4PackedWeight, pack_gguf_shards
+
+logger = logging.getLogger(__name__)
+
+# Steps with more tokens than this use the dense copy in gguf-hybrid (measured on an
+# AVX-512 Zen 4, 2 threads: int4 is 2.5-3x faster at 1 token, even at ~8, 2x slower at 64).
+DEFAULT_DENSE_THRESHOLD = 8
+
+
+class GGUFNativeConfig(QuantizationConfig):
+    """Run GGUF Q4_0 / Q4_1 / Q8_0 tensors through the int4 kernel.
+
+    Args:
+        dtype: activation dtype; ``torch.bfloat16`` (the vectorized kernel) or
+            ``torch.float32`` (scalar kernel: exact, slow; for checks).
+        dense_threshold: ``None`` = packed weights only; an int = also keep a dense copy
+            in ``dtype`` and use it for steps of more tokens than this.
+
+    Raises:
+        ValueError: an unsupported dtype or a negative threshold.
+    """
+
+    gguf_raw_types = NATIVE_GGUF_TYPES
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16,
+                 dense_threshold: int | None = None) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"native GGUF weights run bfloat16 (or float32) activations, "
+                             f"got {dtype}")
+        if dense_threshold is not None and dense_threshold < 0:
+            raise ValueError(f"dense_threshold must be >= 0, got {dense_threshold}")
+        self.dtype = dtype
+        self.dense_threshold = dense_threshold
+        self.name = "gguf-native" if dense_threshold is None else "gguf-hybrid"
+
+    def get_linear_method(self, layer: nn.Module) -> LinearMethodBase:
+        return GGUFNativeLinearMethod(self, layer)
+
+    def process_model(self, model: nn.Module) -> None:
+        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources."""
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        for module in model.modules():
+            if not isinstance(module, nn.Embedding):
+                continue
+            src = getattr(module.weight, "quantized_source", None)
+            if not isinstance(src, GGUFQuantizedTensor):
+                continue
+            del module.weight.quantized_source
+            if tied:
+                packed = pack_gguf_shards([src.unpack()], self.dtype)
+                module.weight = nn.Parameter(
+                    NativeLMHeadWeight(module.weight.data, packed, self.dense_threshold),
+                    requires_grad=False)
+                logger.info("tied LM head runs %s natively (%.1f MiB packed)", src.qtype,
+                            packed.nbytes() / 2**20)
+
+
+class GGUFNativeLinearMethod(LinearMethodBase):
+    """Packed int4 weight (see module doc); dense copy in ``layer.weight`` for gguf-hybrid.
+
+    Until every row is loaded, ``apply`` raises ``RuntimeError``. In gguf-native mode
+    ``layer.weight`` becomes a ``meta`` tensor (shape and dtype kept, no memory).
+    """
+
+    def __init__(self, config: GGUFNativeConfig, layer: nn.Module) -> None:
+        self.config = config
+        self.packed: Int4PackedWeight | None = None
+        self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
+        # rows loaded densely before this method took over (a mixed fused layer)
+        self.dense_rows: list[tuple[int, int]] = list(layer.loaded_weight_rows)
+
+    def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantizedTensor,
+                    row_offset: int) -> None:
+        if isinstance(loaded, GGUFQuantizedTensor):
+            self.pending.append((row_offset, loaded))
+        else:
+            UnquantizedLinearMethod().load_weight(layer, loaded, row_offset)
+            self.dense_rows.append((row_offset, loaded.shape[0]))
+        loaded_rows = sum(t.shape[0] for _, t in self.pending) + sum(n for _, n in self.dense_rows)
+        if loaded_rows == layer.output_size:
+            self._finish(layer)
+
+    def _finish(self, layer: nn.Module) -> None:
+        shards = sorted(self.pending, key=lambda p: p[0])
+        self.pending = []
+        if self.dense_rows:  # mixed formats: the whole layer stays dense
+            for offset, t in shards:
+                UnquantizedLinearMethod().load_weight(layer, t, offset)
+            layer.quant_method = UnquantizedLinearMethod()
+            logger.debug("layer with non-native shards stays dense")
+            return
+        self.packed = pack_gguf_shards([t.unpack() for _, t in shards], self.config.dtype)
+        if self.config.dense_threshold is not None:
+            for offset, t in shards:
+                UnquantizedLinearMethod().load_weight(layer, t, offset)
+        else:
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype,
+                                                    device="meta"), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        threshold = self.config.dense_threshold
+        if threshold is not None and x.shape[0] > threshold:
+            return F.linear(x, layer.weight, bias)
+        if self.packed is None:
+            raise RuntimeError("GGUF native layer used before all of its weight rows were loaded")
+        y = self.packed.matmul(x)
+        return y if bias is None else y.add_(bias)
+
+
+class NativeLMHeadWeight(torch.Tensor):
+    """A dense embedding table that runs ``F.linear(x, table)`` (the tied LM head) natively.
+
+    The tensor is the dense ``[vocab, hidden]`` table (embedding lookups read it);
+    ``F.linear(x [N, hidden], self)`` with ``N <= dense_threshold`` (or any N when it is
+    None) runs the packed int4 kernel instead. Every other op sees a plain tensor.
+    """
+
+    packed: Int4PackedWeight
+    dense_threshold: int | None
+
+    @staticmethod
+    def __new__(cls, dense: torch.Tensor, packed: Int4PackedWeight,
+                dense_threshold: int | None) -> NativeLMHeadWeight:
+        t = torch.Tensor._make_subclass(cls, dense, False)
+        t.packed = packed
+        t.dense_threshold = dense_threshold
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and isinstance(args[1], cls):
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if bias is None and x.dim() == 2 and x.dtype == w.packed.scales_and_zeros.dtype \
+                    and (w.dense_threshold is None or x.shape[0] <= w.dense_threshold):
+                with torch._C.DisableTorchFunctionSubclass():
+                    return w.packed.matmul(x)
+        if func is torch.Tensor.detach:  # nn.Parameter(...) keeps the subclass
+            with torch._C.DisableTorchFunctionSubclass():
+                return NativeLMHeadWeight(func(*args, **kwargs), args[0].packed,
+                                          args[0].dense_threshold)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
