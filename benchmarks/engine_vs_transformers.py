@@ -4,7 +4,7 @@ W1: greedy decode at batch 1 (32-token prompt, 256 new tokens, EOS ignored):
     decode tokens/s = (new tokens - 1) / (E2E - TTFT).
 W3: 64 prompts with inputs of 64..512 tokens (uniform, seeded), 128 new tokens
     each, EOS ignored: output tokens/s over the whole batch.
-Both for float32 and bfloat16, next to transformers ``generate`` on the same
+Both for float32 and bfloat16 (dense weights), next to transformers ``generate`` on the same
 GGUF (dequantized), which batches W3 with left padding in chunks of
 ``--hf-batch`` prompts. Absolute numbers drift on a shared machine; read the
 ratios. Usage::
@@ -34,7 +34,7 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[in
 
 
 def bench_llmserve(dtype: str, w1_prompt: list[int], w3_prompts: list[list[int]]) -> dict:
-    llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_num_seqs=64)
+    llm = LLM(dtype=dtype, quantization="none", kv_cache_memory="2GiB", max_num_seqs=64)
     p1 = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     llm.generate({"prompt_token_ids": w1_prompt}, SamplingParams(max_tokens=8), use_tqdm=False)
     out = llm.generate({"prompt_token_ids": w1_prompt}, p1, use_tqdm=False)[0]
