@@ -159,3 +159,19 @@ def test_swap_preemption_outputs_equal_unpreempted_run(llm_fp32, no_cache):
     host = swap.engine.scheduler.host_pool
     assert host.get_num_free_blocks() == host.num_usable_blocks
     _all_free(swap)
+
+
+def test_request_outgrowing_the_whole_cache_ends_with_length(llm_fp32):
+    # 8 blocks of 16 = 128 token slots, max_model_len larger: the request runs alone
+    # until the cache is full, then ends with what it has (never silently dropped)
+    llm = engine_variant(llm_fp32, cache={"num_gpu_blocks_override": 9},
+                         scheduler={"max_model_len": 512})
+    out = llm.generate({"prompt_token_ids": [504] * 100}, _greedy(100), use_tqdm=False)
+    assert len(out) == 1
+    comp = out[0].outputs[0]
+    assert comp.finish_reason == "length"
+    # the KV of 128 tokens fits; the 129th token is sampled from the last position
+    assert len(comp.token_ids) == 128 - 100 + 1
+    assert llm.generate("Hello", _greedy(3), use_tqdm=False)[0].outputs[0].finish_reason \
+        == "length"
+    _all_free(llm)

@@ -148,6 +148,7 @@ def test_blocks_freed_after_abort(llm_fp32):
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1.0}, "temperature"),
     ({"prompt": "x " * 9000}, "max_model_len"),
+    ({"prompt": "ab\udc00cd"}, "prompt is not valid Unicode"),
 ])
 def test_bad_input_is_a_value_error_and_engine_keeps_serving(llm_fp32, bad, field):
     from llmserve import SamplingParams

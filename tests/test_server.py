@@ -410,3 +410,15 @@ def test_n_choices_equal_separate_seeded_requests(client):
         alone = client.completions.create(n=1, seed=11 + i, **kw)
         assert choice.text == alone.choices[0].text, i
     assert resp.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once
+
+
+def test_invalid_unicode_prompt_is_a_400(server):
+    raw = f'{{"model": "{MODEL}", "prompt": "ab\\udc00cd", "max_tokens": 2}}'
+    for path in ("/v1/completions", "/tokenize"):
+        r = httpx.post(server.url + path, content=raw,
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "not valid Unicode" in r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/completions",
+                    json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0}, timeout=60)
+    assert ok.status_code == 200

@@ -164,7 +164,23 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
             **template_kwargs)
     except TemplateError as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text, "messages", add_special_tokens=False)
+
+
+def encode_text(tokenizer: Any, text: str, field: str = "prompt", **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text)`` for user text.
+
+    Raises:
+        ValueError: naming ``field`` when ``text`` is not valid Unicode (e.g. a lone
+            UTF-16 surrogate from a JSON ``\\udc00`` escape), which the tokenizer
+            would otherwise reject with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid Unicode text: {e.reason} at character "
+                         f"{e.start}") from None
+    return list(tokenizer.encode(text, **kwargs))
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool,

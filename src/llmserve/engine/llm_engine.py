@@ -21,7 +21,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Request, RequestStatus, Scheduler
-from llmserve.tokenizer import load_tokenizer
+from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
 
@@ -123,7 +123,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -229,6 +229,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update, detokenize."""
         sched_out = self.scheduler.schedule()
+        ended = self._drain_finished_without_output()
         if sched_out.total_num_scheduled_tokens == 0:
             if sched_out.kv_cache_ops or sched_out.finished_req_ids:
                 # swap-outs must still move the KV; finished requests drop their state
@@ -240,9 +241,26 @@ class LLMEngine:
                     # nothing runs and the head cannot be admitted: never spin forever
                     head = sched.waiting.peek().request_id
                     logger.error("request %s can never be scheduled; aborting it", head)
-                    return self.abort_request([head])
-            return []
+                    return ended + self.abort_request([head])
+            return ended
         self._stalled_steps = 0
+        return ended + self._run_step(sched_out)
+
+    def _drain_finished_without_output(self) -> list[RequestOutput]:
+        """Final outputs of requests the scheduler ended on its own (e.g. one that
+        outgrew the whole KV cache: finish_reason ``length`` with what it has)."""
+        outs = []
+        for req_id, reason in self.scheduler.finished_without_output:
+            self.runner.drop_request(req_id)
+            out = self.output_processor.abort(req_id, reason)
+            if out is not None:
+                outs.append(out)
+                if out.finished:
+                    self._parents.pop(out.request_id, None)
+        self.scheduler.finished_without_output.clear()
+        return outs
+
+    def _run_step(self, sched_out) -> list[RequestOutput]:
         first_sched = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
                        for r in sched_out.scheduled_new_reqs}
         try:

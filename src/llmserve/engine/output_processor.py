@@ -127,12 +127,13 @@ class OutputProcessor:
                 del self.states[co.req_id]
         return results, stopped_by_string
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request; returns its final output (finish_reason ``abort``)."""
+    def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
+        """End a request from outside; returns its final output (``finish_reason``:
+        ``abort``, or ``length`` when the KV cache cannot hold it any longer)."""
         st = self.states.pop(request_id, None)
         if st is None:
             return None
-        out = self._make_output(st, "abort", None, time.time(), force=True)
+        out = self._make_output(st, finish_reason, None, time.time(), force=True)
         return self._to_parent_output(st, out) if st.parent is not None else out
 
     @staticmethod

@@ -88,6 +88,8 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
+        # requests the scheduler itself ended (no model output carried them): (id, reason)
+        self.finished_without_output: list[tuple[str, str]] = []
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ admission
@@ -239,6 +241,7 @@ class Scheduler:
                     self.waiting.remove(req)
                     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     self._free_request(req)
+                    self.finished_without_output.append((req.request_id, "length"))
                 break
             out.kv_cache_ops.extend(("copy", s, d) for s, d in copies)
             scheduled[req.request_id] = num_new

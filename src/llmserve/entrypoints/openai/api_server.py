@@ -50,6 +50,7 @@ from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
 from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.tokenizer import encode_text
 
 logger = logging.getLogger("llmserve.server")
 
@@ -217,7 +218,10 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
             ids = state.chat.render(ChatCompletionRequest(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt))
         elif req.prompt is not None:
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            try:
+                ids = encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens)
+            except ValueError as e:
+                raise bad_request(str(e), "prompt") from None
         else:
             raise bad_request("send either prompt or messages", "prompt")
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -33,6 +33,7 @@ from llmserve.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from llmserve.outputs import SampleLogprobs
+from llmserve.tokenizer import encode_text
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
@@ -73,7 +74,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise bad_request("prompt must not be empty", "prompt")
-                out.append(PromptInput(list(self.tokenizer.encode(p)), p))
+                try:
+                    out.append(PromptInput(encode_text(self.tokenizer, p), p))
+                except ValueError as e:
+                    raise bad_request(str(e), "prompt") from None
             else:
                 if not p:
                     raise bad_request("prompt token id lists must not be empty", "prompt")
