@@ -149,6 +149,7 @@ def test_blocks_freed_after_abort(llm_fp32):
     ({"temperature": -1.0}, "temperature"),
     ({"prompt": "x " * 9000}, "max_model_len"),
     ({"prompt": "ab\udc00cd"}, "prompt is not valid Unicode"),
+    ({"stop_token_ids": [49152]}, "stop_token_ids"),
 ])
 def test_bad_input_is_a_value_error_and_engine_keeps_serving(llm_fp32, bad, field):
     from llmserve import SamplingParams

@@ -292,6 +292,8 @@ def test_malformed_json_is_a_400_and_sdk_raises(server, client):
     r = httpx.post(server.url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] is None
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=1)
     with pytest.raises(openai.BadRequestError):

@@ -165,6 +165,10 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]  # vLLM accepts the salt in the prompt dict
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is not a token id in [0, {vocab})")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         request_id = str(next(self._counter)) if request_id is None else str(request_id)

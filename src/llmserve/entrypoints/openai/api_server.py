@@ -107,6 +107,10 @@ class APIKeyMiddleware:
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc holds a character offset, not a field
+            parts.append(f"the body is not valid JSON: {err.get('msg', 'invalid')} "
+                         f"(at character {err.get('loc', ('', '?'))[-1]})")
+            continue
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if param is None and loc:
             param = loc[0]
