@@ -1,38 +1,11 @@
-"""Helpers for the benchmarks: build an offline :class:`~llmserve.LLM` in a given
-weight format (``quantization=``), and describe its weights."""
+"""Helpers for the benchmarks: describe an engine's weights (format, bytes per token).
+Build engines with ``LLM(quantization=...)`` / ``LLMEngine.from_engine_args``."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 
-from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.llm import LLM
-from llmserve.engine.llm_engine import LLMEngine
-
-logger = logging.getLogger("llmserve")
-
-
-def build_engine(args: EngineArgs) -> LLMEngine:
-    """An :class:`LLMEngine` whose weights are in the format ``args.quantization`` names
-    (the engine's own loader; kept as the benchmarks' single entry point).
-
-    Raises:
-        ValueError: a bad option, an unknown model, or a format the model, dtype or
-            device cannot run.
-    """
-    return LLMEngine.from_engine_args(args)
-
-
-def build_llm(**kwargs: Any) -> LLM:
-    """``LLM(**kwargs)`` honouring ``quantization=`` (see :class:`EngineArgs`).
-
-    Raises:
-        ValueError: as :func:`build_engine`.
-    """
-    return LLM.from_engine(build_engine(EngineArgs(**kwargs)))
 
 
 def weight_format_of(llm: LLM) -> str:

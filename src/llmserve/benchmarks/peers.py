@@ -51,14 +51,15 @@ class LLMServeContestant(Contestant):
                  max_num_seqs: int = 64, max_model_len: int = 1024) -> None:
         from dataclasses import fields
 
-        from llmserve.benchmarks.engine import build_llm, weight_bytes_per_token
+        from llmserve import LLM
+        from llmserve.benchmarks.engine import weight_bytes_per_token
         from llmserve.engine.arg_utils import EngineArgs
 
         kw = {}
         if "enable_prefix_caching" in {f.name for f in fields(EngineArgs)}:
             kw["enable_prefix_caching"] = False  # every measurement computes its prompt
         self.name = name
-        self.llm = build_llm(dtype=dtype, quantization=quantization,
+        self.llm = LLM(dtype=dtype, quantization=quantization,
                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, **kw)
         self.bytes_per_token = weight_bytes_per_token(self.llm.engine.runner.model)

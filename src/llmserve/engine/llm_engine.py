@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from llmserve.config import DTYPE_BYTES, EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
@@ -281,6 +281,3 @@ class LLMEngine:
             if out.finished:
                 self._parents.pop(out.request_id, None)
         return outputs
-
-    def kv_cache_dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.config.dtype]

@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from llmserve.entrypoints.arg_types import positive_int
+
 
 def _write_json(path: str | None, data: dict) -> None:
     if not path:
@@ -29,16 +31,6 @@ def _write_json(path: str | None, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     print(f"saved {path}", file=sys.stderr)
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def _rate(text: str) -> float:
@@ -54,12 +46,13 @@ def _rate(text: str) -> float:
 # ---------------------------------------------------------------- throughput / latency
 def _run_throughput(args) -> int:
     from llmserve.benchmarks.datasets import load_requests
-    from llmserve.benchmarks.engine import build_engine, weight_format_of
+    from llmserve.benchmarks.engine import weight_format_of
     from llmserve.benchmarks.offline import run_throughput
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.engine.llm import LLM
+    from llmserve.engine.llm_engine import LLMEngine
 
-    llm = LLM.from_engine(build_engine(EngineArgs.from_cli_args(args)))
+    llm = LLM.from_engine(LLMEngine.from_engine_args(EngineArgs.from_cli_args(args)))
     requests = load_requests(args, llm.get_tokenizer())
     res = run_throughput(llm, requests, ignore_eos=args.ignore_eos,
                          temperature=args.temperature, seed=args.seed,
@@ -76,12 +69,13 @@ def _run_throughput(args) -> int:
 
 
 def _run_latency(args) -> int:
-    from llmserve.benchmarks.engine import build_engine, weight_format_of
+    from llmserve.benchmarks.engine import weight_format_of
     from llmserve.benchmarks.offline import run_latency
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.engine.llm import LLM
+    from llmserve.engine.llm_engine import LLMEngine
 
-    llm = LLM.from_engine(build_engine(EngineArgs.from_cli_args(args)))
+    llm = LLM.from_engine(LLMEngine.from_engine_args(EngineArgs.from_cli_args(args)))
     res = run_latency(llm, args.batch_size, args.input_len, args.output_len,
                       num_iters=args.num_iters, num_iters_warmup=args.num_iters_warmup,
                       seed=args.seed)
@@ -165,10 +159,10 @@ def register(subparsers) -> None:
     p.set_defaults(func=_run_throughput, command="bench throughput")
 
     p = sub.add_parser("latency", help="per-step latency of one fixed batch")
-    p.add_argument("--batch-size", type=_positive, default=8)
-    p.add_argument("--input-len", type=_positive, default=32)
-    p.add_argument("--output-len", type=_positive, default=128)
-    p.add_argument("--num-iters", type=_positive, default=3)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--input-len", type=positive_int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-iters", type=positive_int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--output-json", default=None, help="write the result here")
     _add_common(p)
@@ -184,7 +178,7 @@ def register(subparsers) -> None:
                    help="tokenizer for prompts and counts (default: the embedded model)")
     p.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="requests/s, Poisson arrivals (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=_positive, default=None)
+    p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from llmserve.entrypoints.arg_types import positive_int
 from llmserve.planner.capacity import (
     DoesNotFitError,
     parse_memory,
@@ -30,16 +31,6 @@ EPILOG = """\
 two within a node, pp across nodes) that holds --concurrency sequences of
 --max-model-len tokens. Exit codes: 0 fits, 1 does not fit, 2 bad input.
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -62,24 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a GGUF file's real tensor sizes)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (the model dtype), bf16, fp16, fp32, fp8 (default auto)")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context per sequence in tokens (default the model's maximum)")
-    parser.add_argument("--concurrency", type=_positive_int, default=1,
+    parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="sequences of --max-model-len that must fit at once (default 1)")
     parser.add_argument("--gpu-memory", default="80GiB",
                         help="memory of one device, e.g. 80GiB, 24GB (default 80GiB)")
-    parser.add_argument("--gpus", type=_positive_int, default=None,
+    parser.add_argument("--gpus", type=positive_int, default=None,
                         help="devices available (default: tp x pp, or as many as needed)")
-    parser.add_argument("--gpus-per-node", type=_positive_int, default=8,
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8,
                         help="devices per node; tp stays within one (default 8)")
     parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                         help="fraction of device memory the engine may use (default 0.9)")
     parser.add_argument("--activation-reserve", default=None,
                         help="bytes per device kept for activations, e.g. 2GiB (default: estimate)")
-    parser.add_argument("--block-size", type=_positive_int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="tokens per KV cache block (default 16)")
-    parser.add_argument("--tp", type=_positive_int, default=None, help="tensor parallel size")
-    parser.add_argument("--pp", type=_positive_int, default=None, help="pipeline parallel size")
+    parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size")
+    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
