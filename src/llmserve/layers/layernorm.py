@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.kernels import get_cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
@@ -12,7 +14,8 @@ class RMSNorm(nn.Module):
     The normalisation runs in float32 and is cast back to the input dtype
     before the weight multiply, matching ``LlamaRMSNorm``. With ``residual``
     it first adds the residual (in the input dtype) and also returns the sum,
-    the fused add-norm of vLLM's decoder layers.
+    the fused add-norm of vLLM's decoder layers. On CPU (float32 / bfloat16) one
+    C kernel does all of it (:mod:`llmserve.kernels`), rounding as these ops do.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6,
@@ -30,6 +33,11 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x, residual: ``[num_tokens, hidden_size]``. Returns the normed x, or
         ``(normed(x + residual), x + residual)`` when a residual is given."""
+        kernels = get_cpu_kernels()
+        if kernels is not None and x.dim() == 2 and kernels.supports(x) \
+                and self.weight.dtype == x.dtype \
+                and (residual is None or residual.dtype == x.dtype):
+            return kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmserve.kernels import get_cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -68,6 +70,20 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     ``[num_tokens, 1, head_dim / 2]`` (rotate_half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_emb_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`apply_rotary_emb` in place on ``x`` ``[num_tokens, num_heads, head_dim]``,
+    which may be a strided view (e.g. the query and key heads of a fused qkv output).
+
+    On CPU (float32 / bfloat16) one C kernel rotates every head with the same
+    rounding as the PyTorch ops (:mod:`llmserve.kernels`).
+    """
+    kernels = get_cpu_kernels()
+    if kernels is not None and kernels.supports(x) and cos.dtype == x.dtype == sin.dtype:
+        kernels.rotary_emb_(x, cos, sin)
+    else:
+        x.copy_(apply_rotary_emb(x, cos, sin))
 
 
 class RotaryEmbedding(nn.Module):

@@ -27,7 +27,7 @@ from llmserve.layers.attention import get_attn_backend
 from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
-from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb_
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,11 +62,12 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = apply_rotary_emb(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        key = apply_rotary_emb(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden_states).contiguous()  # [num_tokens, q_size + 2 * kv_size]
+        # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]: query | key | value heads
+        heads = qkv.view(num_tokens, -1, self.head_dim)
+        apply_rotary_emb_(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        query, key, value = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads],
+                                        dim=1)
         # [num_tokens, num_heads, head_dim]
         out = self.attn.forward(query, key, value, kv_cache[0], kv_cache[1], attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

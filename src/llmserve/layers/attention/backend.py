@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from llmserve.kernels import get_cpu_kernels
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -169,6 +171,12 @@ class AttentionBackend(ABC):
         Raises RuntimeError when a cache is not contiguous (a flat view is needed).
         """
         if slot_mapping.numel() == 0:
+            return
+        kernels = get_cpu_kernels()
+        if kernels is not None and kernels.supports(key) and kernels.supports(value) \
+                and key.dtype == key_cache.dtype and key.stride(1) == key.shape[2] \
+                and value.stride(1) == value.shape[2] and kernels.supports(key_cache):
+            kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)  # one C call
             return
         num_kv_heads, head_dim = key_cache.shape[-2:]
         flat_key_cache = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]

@@ -7,9 +7,11 @@ sequences::
 
     tokens:  [ d0 d1 d2 | p0 p0 p0 p0 p1 p1 ]      decodes first, then prefills
                decode group              prefill group
-    decode group : gather each context by its block table (padded to the longest)
-                   -> K/V [num_decodes, max_ctx, Hkv, D]; query heads viewed as
-                   [Hkv, group] so K/V are not repeated; padding mask
+    decode group : float32 / bfloat16 on CPU: one C kernel reads each context's
+                   blocks in place (llmserve.kernels, paged_attention_decode);
+                   otherwise gather each context by its block table (padded to the
+                   longest) -> K/V [num_decodes, max_ctx, Hkv, D]; query heads viewed
+                   as [Hkv, group] so K/V are not repeated; padding mask
     prefill group: queries padded to the longest chunk, K/V gathered as above,
                    causal-with-offset mask (+ sliding window); a single prefill
                    without earlier context uses is_causal on this step's K/V
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmserve.kernels import get_cpu_kernels
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
 
@@ -38,7 +41,11 @@ class CpuAttentionMetadata:
     num_prefills: int
     # decode group (None when num_decodes == 0)
     decode_block_table: torch.Tensor | None  # [num_decodes, num_decode_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, num_decode_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    # [num_decodes, 1, 1, num_decode_blocks * block_size] bool; built on first use (the C
+    # decode kernel needs none)
+    decode_mask: torch.Tensor | None
+    sliding_window: int | None
     # prefill group
     prefill_is_causal: bool  # single prefill, no earlier context, window inactive
     prefill_block_table: torch.Tensor | None  # [num_prefills, num_prefill_blocks]
@@ -52,17 +59,15 @@ def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _build_decode(common: CommonAttentionMetadata, window: int | None):
-    num_decodes = common.num_decodes
-    block_size = common.block_size
-    num_blocks = _ceil_div(max(common.seq_lens_list[:num_decodes]), block_size)
-    block_table = common.block_table[:num_decodes, :num_blocks]
-    seq_lens = common.seq_lens[:num_decodes, None]  # [num_decodes, 1]
-    key_pos = torch.arange(num_blocks * block_size, device=block_table.device)
+def _decode_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 window: int | None) -> torch.Tensor:
+    """[num_decodes, 1, 1, num_blocks * block_size] bool: the keys each decode sees."""
+    key_pos = torch.arange(block_table.shape[1] * block_size, device=block_table.device)
+    seq_lens = seq_lens[:, None]  # [num_decodes, 1]
     mask = key_pos[None, :] < seq_lens  # [num_decodes, max_ctx]
     if window is not None:
         mask &= key_pos[None, :] >= seq_lens - window
-    return block_table, mask[:, None, None, :]
+    return mask[:, None, None, :]
 
 
 def _build_prefill(common: CommonAttentionMetadata, window: int | None) -> dict:
@@ -116,14 +121,17 @@ class CpuAttentionBackend(AttentionBackend):
         window = common.sliding_window
         num_decodes = common.num_decodes
         num_prefills = common.num_seqs - num_decodes
-        decode_block_table = decode_mask = None
+        decode_block_table = decode_seq_lens = None
         if num_decodes:
-            decode_block_table, decode_mask = _build_decode(common, window)
+            num_blocks = _ceil_div(max(common.seq_lens_list[:num_decodes]), common.block_size)
+            decode_block_table = common.block_table[:num_decodes, :num_blocks]
+            decode_seq_lens = common.seq_lens[:num_decodes]
         prefill = _build_prefill(common, window) if num_prefills else {"prefill_is_causal": False}
         return CpuAttentionMetadata(
             slot_mapping=common.slot_mapping, num_decodes=num_decodes,
             num_prefills=num_prefills, decode_block_table=decode_block_table,
-            decode_mask=decode_mask, prefill_block_table=prefill.get("prefill_block_table"),
+            decode_seq_lens=decode_seq_lens, decode_mask=None, sliding_window=window,
+            prefill_block_table=prefill.get("prefill_block_table"),
             prefill_mask=prefill.get("prefill_mask"),
             prefill_query_index=prefill.get("prefill_query_index"),
             prefill_output_index=prefill.get("prefill_output_index"),
@@ -134,13 +142,15 @@ class CpuAttentionBackend(AttentionBackend):
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         nd = metadata.num_decodes
-        if nd:
-            output[:nd] = self._decode(query[:nd], key_cache, value_cache, metadata)
-        if metadata.num_prefills:
-            output[nd:] = self._prefill(query[nd:], key[nd:], value[nd:], key_cache,
-                                        value_cache, metadata)
+        if not metadata.num_prefills:
+            return self._decode(query, key_cache, value_cache, metadata)
+        if not nd:
+            return self._prefill(query, key, value, key_cache, value_cache, metadata)
+        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        output[:nd] = self._decode(query[:nd], key_cache, value_cache, metadata)
+        output[nd:] = self._prefill(query[nd:], key[nd:], value[nd:], key_cache,
+                                    value_cache, metadata)
         return output
 
     @staticmethod
@@ -155,9 +165,22 @@ class CpuAttentionBackend(AttentionBackend):
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         nd = query.shape[0]
+        kernels = get_cpu_kernels()
+        if kernels is not None and kernels.supports(query) and query.dtype == key_cache.dtype \
+                and query.stride(1) == self.head_dim and kernels.supports(key_cache) \
+                and metadata.decode_block_table.is_cpu:
+            return kernels.paged_attention_decode(
+                query, key_cache, value_cache, metadata.decode_block_table,
+                metadata.decode_seq_lens, self.scale, metadata.sliding_window,
+                torch.get_num_threads())
+        if metadata.decode_mask is None:  # built once per step, shared by the layers
+            metadata.decode_mask = _decode_mask(metadata.decode_block_table,
+                                                metadata.decode_seq_lens, key_cache.shape[1],
+                                                metadata.sliding_window)
         # [num_decodes, num_kv_heads, num_queries_per_kv, head_dim]: the group plays
         # the role of the query length, so K/V need no repeat
-        grouped_query = query.view(nd, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
+        grouped_query = query.reshape(nd, self.num_kv_heads, self.num_queries_per_kv,
+                                      self.head_dim)
         key = self._gather(key_cache, metadata.decode_block_table)  # [nd, Hkv, max_ctx, D]
         value = self._gather(value_cache, metadata.decode_block_table)
         out = F.scaled_dot_product_attention(grouped_query, key, value,
