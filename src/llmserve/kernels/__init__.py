@@ -36,8 +36,8 @@ __all__ = ["CpuKernels", "build_cpu_kernels", "get_cpu_kernels"]
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
-_BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd",
-               "-fno-math-errno", "-lm"]
+_BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-lm"]
+_OPENMP_FLAGS = ["-fopenmp"]  # threads from the libgomp PyTorch already loaded (see the C)
 _NATIVE_FLAGS = ["-march=native"]
 
 
@@ -88,7 +88,10 @@ def build_cpu_kernels(cache_dir: str | None = None, native: bool = True) -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     errors = []
-    attempts = [_BASE_FLAGS + _NATIVE_FLAGS, _BASE_FLAGS] if native else [_BASE_FLAGS]
+    attempts = [_BASE_FLAGS + _OPENMP_FLAGS + _NATIVE_FLAGS, _BASE_FLAGS + _NATIVE_FLAGS,
+                _BASE_FLAGS + _OPENMP_FLAGS, _BASE_FLAGS]
+    if not native:
+        attempts = attempts[2:]
     for flags in attempts:
         key = hashlib.sha256(source + repr((cc, flags, platform.machine(),
                                             _cpu_signature())).encode()).hexdigest()[:16]

@@ -13,7 +13,9 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
-#include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,7 +98,7 @@ static inline float dot_f32(const float *restrict a, const float *restrict b, in
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) part[l] += a[i + l] * b[i + l];
-    for (int64_t t = i; t < n; t++) part[t - i] += a[t] * b[t];
+    for (int64_t l = 0; l < n - i && l < LANES; l++) part[l] += a[i + l] * b[i + l];
     return tree16(part);
 }
 
@@ -105,7 +107,7 @@ static inline float sum_f32(const float *restrict a, int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) part[l] += a[i + l];
-    for (int64_t t = i; t < n; t++) part[t - i] += a[t];
+    for (int64_t l = 0; l < n - i && l < LANES; l++) part[l] += a[i + l];
     return tree16(part);
 }
 
@@ -115,13 +117,26 @@ static inline float max_f32(const float *restrict a, int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) part[l] = a[i + l] > part[l] ? a[i + l] : part[l];
-    for (int64_t t = i; t < n; t++) part[t - i] = a[t] > part[t - i] ? a[t] : part[t - i];
+    for (int64_t l = 0; l < n - i && l < LANES; l++)
+        part[l] = a[i + l] > part[l] ? a[i + l] : part[l];
     for (int w = LANES / 2; w > 0; w >>= 1)
         for (int l = 0; l < w; l++) part[l] = part[l + w] > part[l] ? part[l + w] : part[l];
     return part[0];
 }
 
 static inline size_t elem_size(int dtype) { return dtype == DT_BF16 ? 2 : 4; }
+
+/* Row-wise kernels split their rows over the OpenMP threads above this many elements. */
+#define ROW_PARALLEL_MIN 32768
+
+static inline int row_threads(int64_t elements) {
+#ifdef _OPENMP
+    return elements >= ROW_PARALLEL_MIN ? omp_get_max_threads() : 1;
+#else
+    (void)elements;
+    return 1;
+#endif
+}
 
 /* ------------------------------------------------------------------ RMSNorm
  * out[t] = w * dt(x'[t] / sqrt(mean(x'[t]^2) + eps)),  x' = dt(x + residual) or x
@@ -133,11 +148,18 @@ int rms_norm(int dtype, void *out, const void *x, int64_t x_stride, const void *
              float eps) {
     if (hidden <= 0 || hidden > (1 << 20)) return -1;
     size_t es = elem_size(dtype);
+    int status = 0;
+#pragma omp parallel num_threads(row_threads(num_tokens * hidden)) if (num_tokens * hidden >= ROW_PARALLEL_MIN)
+    {
     float *row = malloc((size_t)hidden * 2 * sizeof(float));
-    if (!row) return -2;
     float *w = row + hidden;
-    load_row(dtype, w, weight, hidden);
+    if (!row)
+        status = -2;
+    else
+        load_row(dtype, w, weight, hidden);
+#pragma omp for
     for (int64_t t = 0; t < num_tokens; t++) {
+        if (!row) continue;
         load_row(dtype, row, (const char *)x + t * x_stride * es, hidden);
         if (residual) {
             const char *res = (const char *)residual + t * hidden * es;
@@ -153,7 +175,8 @@ int rms_norm(int dtype, void *out, const void *x, int64_t x_stride, const void *
         store_row(dtype, (char *)out + t * hidden * es, row, hidden);
     }
     free(row);
-    return 0;
+    }
+    return status;
 }
 
 /* ------------------------------------------------------------------ RoPE, in place
@@ -233,10 +256,15 @@ static inline float exp_approx(float x) {
 
 int silu_and_mul(int dtype, void *out, const void *x, int64_t num_tokens, int64_t d) {
     size_t es = elem_size(dtype);
+    int status = 0;
+#pragma omp parallel num_threads(row_threads(num_tokens * d)) if (num_tokens * d >= ROW_PARALLEL_MIN)
+    {
     float *buf = malloc((size_t)d * 2 * sizeof(float));
-    if (!buf) return -2;
     float *g = buf, *u = buf + d;
+    if (!buf) status = -2;
+#pragma omp for
     for (int64_t t = 0; t < num_tokens; t++) {
+        if (!buf) continue;
         const char *row = (const char *)x + t * 2 * d * es;
         load_row(dtype, g, row, d);
         load_row(dtype, u, row + d * es, d);
@@ -253,19 +281,23 @@ int silu_and_mul(int dtype, void *out, const void *x, int64_t num_tokens, int64_
         store_row(dtype, (char *)out + t * d * es, g, d);
     }
     free(buf);
-    return 0;
+    }
+    return status;
 }
 
 /* ------------------------------------------------------------------ paged decode attention
  * One query token per sequence (PagedAttention, Kwon et al. 2023, decode phase).
  *   query  [num_seqs, num_heads, head_dim], row stride q_stride (heads contiguous)
  *   caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous
- *   block_table [num_seqs, bt_stride] int64; seq_lens [num_seqs] int64 (context incl. the
+ *   block_table [num_seqs, >= bt_width] int64, row stride bt_stride; seq_lens [num_seqs] int64 (context incl. the
  *   query token, whose K/V are already in the cache)
  *   out    [num_seqs, num_heads, head_dim] contiguous
  * Query head h reads KV head h / (num_heads / num_kv_heads). window > 0: keys at
  * positions > seq_len - 1 - window only. Scores, softmax and the weighted sum in float32.
- * Work items (sequence, KV head) are split over num_threads pthreads when large.
+ * Sequences are split over num_threads OpenMP threads when the work is large. The
+ * library links libgomp by its soname, so in a process that loaded PyTorch it binds to
+ * PyTorch's copy and shares its (already spinning) thread pool: no extra threads
+ * competing for the cores.
  */
 typedef struct {
     int dtype;
@@ -276,18 +308,15 @@ typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride;
     int64_t window;
     float scale;
-    int64_t item_begin, item_end;
-    int status;
 } attn_args;
 
 /* D and dtype are compile-time constants in the common cases (see attend_item), so the
  * head_dim loops unroll into a few vector instructions. */
 static inline __attribute__((always_inline)) void attend_core(
-    const attn_args *a, int64_t item, float *scores, float *qbuf, float *kv, float *acc,
-    const int64_t D, const int dtype) {
+    const attn_args *a, int64_t seq, int64_t kvh, float *scores, float *qbuf, float *kv,
+    float *acc, const int64_t D, const int dtype) {
     const size_t es = elem_size(dtype);
     const int64_t G = a->num_heads / a->num_kv_heads, bs = a->block_size;
-    const int64_t seq = item / a->num_kv_heads, kvh = item % a->num_kv_heads;
     const int64_t L = a->seq_lens[seq];
     const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
     const int64_t n = L - start;
@@ -350,44 +379,42 @@ static inline __m512 load16(int dtype, const void *p) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* attend_core with AVX-512 (head_dim a multiple of 16, at most 256): q and the output
- * accumulators stay in registers for each query head of the group. */
-static inline __attribute__((always_inline)) void attend_core_avx512(
-    const attn_args *a, int64_t item, float *scores, float *qbuf, float *acc,
+/* One sequence, all heads, with AVX-512 (head_dim a multiple of 16, at most 256): each
+ * position's K (then V) slot row [num_kv_heads, head_dim] is read once, sequentially. */
+static inline __attribute__((always_inline)) void attend_seq_avx512(
+    const attn_args *a, int64_t seq, float *scores, float *qbuf, float *acc,
     const int64_t D, const int dtype) {
     const size_t es = elem_size(dtype);
-    const int64_t G = a->num_heads / a->num_kv_heads, bs = a->block_size;
-    const int64_t seq = item / a->num_kv_heads, kvh = item % a->num_kv_heads;
+    const int64_t H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
     const int64_t L = a->seq_lens[seq];
     const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
     const int64_t n = L - start;
     const int64_t *table = a->block_table + seq * a->bt_stride;
-    const int64_t row = a->num_kv_heads * D;
+    const int64_t row = Hkv * D;  /* elements per cache slot */
     const int64_t V = D / 16;
     const float scale = a->scale;
-    const char *kbase = (const char *)a->key_cache + kvh * D * es;
-    const char *vbase = (const char *)a->value_cache + kvh * D * es;
-    for (int64_t g = 0; g < G; g++)
-        load_row(dtype, qbuf + g * D,
-                 (const char *)a->query + (seq * a->q_stride + (kvh * G + g) * D) * es, D);
+    load_row(dtype, qbuf, (const char *)a->query + seq * a->q_stride * es, H * D);
     int64_t blk = start / bs, off = start % bs;
     for (int64_t j = 0; j < n; j++) {
-        const char *kp = kbase + ((table[blk] * bs + off) * row) * es;
+        const char *kp = (const char *)a->key_cache + ((table[blk] * bs + off) * row) * es;
         if (++off == bs) {
             off = 0;
             blk++;
         }
-        __m512 k[16];
-        for (int64_t v = 0; v < V; v++) k[v] = load16(dtype, kp + v * 16 * es);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qbuf + g * D), k[0]);
-            for (int64_t v = 1; v < V; v++)
-                s = _mm512_fmadd_ps(_mm512_loadu_ps(qbuf + g * D + v * 16), k[v], s);
-            scores[g * n + j] = _mm512_reduce_add_ps(s) * scale;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            __m512 k[16];
+            for (int64_t v = 0; v < V; v++) k[v] = load16(dtype, kp + (kvh * D + v * 16) * es);
+            for (int64_t g = 0; g < G; g++) {
+                const float *q = qbuf + (kvh * G + g) * D;
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+                for (int64_t v = 1; v < V; v++)
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q + v * 16), k[v], s);
+                scores[(kvh * G + g) * n + j] = _mm512_reduce_add_ps(s) * scale;
+            }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sc = scores + g * n;
+    for (int64_t h = 0; h < H; h++) {
+        float *sc = scores + h * n;
         float mx = max_f32(sc, n);
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) sc[j] = exp_approx(sc[j] - mx);
@@ -395,83 +422,67 @@ static inline __attribute__((always_inline)) void attend_core_avx512(
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) sc[j] *= inv;
     }
-    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
+    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
     blk = start / bs;
     off = start % bs;
     for (int64_t j = 0; j < n; j++) {
-        const char *vp = vbase + ((table[blk] * bs + off) * row) * es;
+        const char *vp = (const char *)a->value_cache + ((table[blk] * bs + off) * row) * es;
         if (++off == bs) {
             off = 0;
             blk++;
         }
-        __m512 val[16];
-        for (int64_t v = 0; v < V; v++) val[v] = load16(dtype, vp + v * 16 * es);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 p = _mm512_set1_ps(scores[g * n + j]);
-            float *o = acc + g * D;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            __m512 val[16];
             for (int64_t v = 0; v < V; v++)
-                _mm512_storeu_ps(o + v * 16,
-                                 _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(o + v * 16)));
+                val[v] = load16(dtype, vp + (kvh * D + v * 16) * es);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(scores[(kvh * G + g) * n + j]);
+                float *o = acc + (kvh * G + g) * D;
+                for (int64_t v = 0; v < V; v++)
+                    _mm512_storeu_ps(o + v * 16,
+                                     _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(o + v * 16)));
+            }
         }
     }
-    for (int64_t g = 0; g < G; g++)
-        store_row(dtype, (char *)a->out + (seq * a->num_heads + kvh * G + g) * D * es,
-                  acc + g * D, D);
+    store_row(dtype, (char *)a->out + seq * H * D * es, acc, H * D);
 }
 #endif
 
-static void attend_item(const attn_args *a, int64_t item, float *scores, float *qbuf,
+/* one sequence: every head */
+static void attend_item(const attn_args *a, int64_t seq, float *scores, float *qbuf,
                         float *kv, float *acc) {
     const int64_t D = a->head_dim;
 #if defined(__AVX512F__)
     if (a->dtype == DT_BF16 && D == 64)
-        return attend_core_avx512(a, item, scores, qbuf, acc, 64, DT_BF16);
+        return attend_seq_avx512(a, seq, scores, qbuf, acc, 64, DT_BF16);
     if (a->dtype == DT_BF16 && D == 128)
-        return attend_core_avx512(a, item, scores, qbuf, acc, 128, DT_BF16);
+        return attend_seq_avx512(a, seq, scores, qbuf, acc, 128, DT_BF16);
     if (D % 16 == 0 && D <= 256)
-        return attend_core_avx512(a, item, scores, qbuf, acc, D, a->dtype);
+        return attend_seq_avx512(a, seq, scores, qbuf, acc, D, a->dtype);
 #endif
-    if (a->dtype == DT_BF16) {
-        if (D == 64)
-            attend_core(a, item, scores, qbuf, kv, acc, 64, DT_BF16);
-        else if (D == 128)
-            attend_core(a, item, scores, qbuf, kv, acc, 128, DT_BF16);
-        else
-            attend_core(a, item, scores, qbuf, kv, acc, D, DT_BF16);
-    } else {
-        if (D == 64)
-            attend_core(a, item, scores, qbuf, kv, acc, 64, DT_F32);
-        else if (D == 128)
-            attend_core(a, item, scores, qbuf, kv, acc, 128, DT_F32);
-        else
-            attend_core(a, item, scores, qbuf, kv, acc, D, DT_F32);
+    for (int64_t kvh = 0; kvh < a->num_kv_heads; kvh++) {
+        if (a->dtype == DT_BF16) {
+            if (D == 64)
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, 64, DT_BF16);
+            else if (D == 128)
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, 128, DT_BF16);
+            else
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, D, DT_BF16);
+        } else {
+            if (D == 64)
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, 64, DT_F32);
+            else if (D == 128)
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, 128, DT_F32);
+            else
+                attend_core(a, seq, kvh, scores, qbuf, kv, acc, D, DT_F32);
+        }
     }
 }
 
-static void *attend_range(void *arg) {
-    attn_args *a = (attn_args *)arg;
-    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads;
-    int64_t max_len = 0;
-    for (int64_t s = 0; s < a->num_seqs; s++)
-        if (a->seq_lens[s] > max_len) max_len = a->seq_lens[s];
-    float *buf = malloc(((size_t)(G * max_len) + (size_t)(2 * G * D + D)) * sizeof(float));
-    if (!buf) {
-        a->status = -2;
-        return NULL;
-    }
-    float *scores = buf, *qbuf = buf + G * max_len, *acc = qbuf + G * D, *kv = acc + G * D;
-    for (int64_t item = a->item_begin; item < a->item_end; item++)
-        attend_item(a, item, scores, qbuf, kv, acc);
-    free(buf);
-    a->status = 0;
-    return NULL;
-}
-
-#define MAX_THREADS 64
 
 int paged_attention_decode(int dtype, void *out, const void *query, int64_t q_stride,
                            const void *key_cache, const void *value_cache, int64_t num_blocks,
-                           const int64_t *block_table, int64_t bt_stride,
+                           const int64_t *block_table, int64_t bt_width, int64_t bt_stride,
                            const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, int64_t window, int num_threads) {
@@ -480,42 +491,41 @@ int paged_attention_decode(int dtype, void *out, const void *query, int64_t q_st
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         int64_t L = seq_lens[s];
-        if (L < 1 || (L + block_size - 1) / block_size > bt_stride) return -4;
+        if (L < 1 || (L + block_size - 1) / block_size > bt_width) return -4;
         for (int64_t b = 0; b < (L + block_size - 1) / block_size; b++) {
             int64_t blk = block_table[s * bt_stride + b];
             if (blk < 0 || blk >= num_blocks) return -3;
         }
         total += L;
     }
-    attn_args base = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
-                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride,
-                      q_stride, window, scale, 0, 0, 0};
-    int64_t items = num_seqs * num_kv_heads;
-    /* a thread start costs ~20-50 us: only split work of at least ~1M K/V elements */
+    attn_args a = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
+                   num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride,
+                   window, scale};
+    /* OpenMP dispatch to warm threads costs a few us: split work of >= 64K K/V elements */
     int64_t work = total * num_kv_heads * head_dim;
-    int nt = num_threads;
-    if (nt > MAX_THREADS) nt = MAX_THREADS;
-    if (nt > items) nt = (int)items;
-    if (work < (1 << 20) || nt < 2) nt = 1;
-    attn_args args[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int i = 0; i < nt; i++) {
-        args[i] = base;
-        args[i].item_begin = items * i / nt;
-        args[i].item_end = items * (i + 1) / nt;
-    }
-    for (int i = 1; i < nt; i++)
-        started[i] = pthread_create(&threads[i], NULL, attend_range, &args[i]) == 0;
-    attend_range(&args[0]);
-    int status = args[0].status;
-    for (int i = 1; i < nt; i++) {
-        if (started[i]) {
-            pthread_join(threads[i], NULL);
-        } else {
-            attend_range(&args[i]);  /* could not start a thread: do it here */
+    int nt = num_threads < 1 ? 1 : num_threads;
+    if (nt > num_seqs) nt = (int)num_seqs;
+    if (work < (1 << 16)) nt = 1;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    const size_t buf_floats = (size_t)(num_heads * max_len) + (size_t)(2 * num_heads * head_dim
+                                                                       + head_dim);
+    int status = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *buf = malloc(buf_floats * sizeof(float));
+        if (!buf) {
+            status = -2;  /* (every writer writes the same value) */
         }
-        if (args[i].status) status = args[i].status;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t seq = 0; seq < num_seqs; seq++) {
+            if (!buf) continue;
+            float *scores = buf, *qbuf = buf + num_heads * max_len;
+            float *acc = qbuf + num_heads * head_dim, *kv = acc + num_heads * head_dim;
+            attend_item(&a, seq, scores, qbuf, kv, acc);
+        }
+        free(buf);
     }
     return status;
 }

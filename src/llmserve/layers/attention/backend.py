@@ -173,9 +173,9 @@ class AttentionBackend(ABC):
         if slot_mapping.numel() == 0:
             return
         kernels = get_cpu_kernels()
-        if kernels is not None and kernels.supports(key) and kernels.supports(value) \
-                and key.dtype == key_cache.dtype and key.stride(1) == key.shape[2] \
-                and value.stride(1) == value.shape[2] and kernels.supports(key_cache):
+        if kernels is not None and key_cache.is_cpu and key.dtype == key_cache.dtype \
+                and key_cache.dtype in (torch.float32, torch.bfloat16) \
+                and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
             kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)  # one C call
             return
         num_kv_heads, head_dim = key_cache.shape[-2:]

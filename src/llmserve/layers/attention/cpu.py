@@ -166,9 +166,9 @@ class CpuAttentionBackend(AttentionBackend):
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         nd = query.shape[0]
         kernels = get_cpu_kernels()
-        if kernels is not None and kernels.supports(query) and query.dtype == key_cache.dtype \
-                and query.stride(1) == self.head_dim and kernels.supports(key_cache) \
-                and metadata.decode_block_table.is_cpu:
+        if kernels is not None and key_cache.is_cpu and query.dtype == key_cache.dtype \
+                and key_cache.dtype in (torch.float32, torch.bfloat16) \
+                and query.stride(1) == self.head_dim:
             return kernels.paged_attention_decode(
                 query, key_cache, value_cache, metadata.decode_block_table,
                 metadata.decode_seq_lens, self.scale, metadata.sliding_window,
