@@ -153,11 +153,18 @@ def test_cpu_metadata_groups():
     assert md.decode_block_table.shape == (3, 6)  # longest decode context 22 -> 6 blocks
     assert md.decode_seq_lens.tolist() == common.seq_lens_list[:3]
     assert md.decode_mask is None  # built on first use by the PyTorch decode path
-    assert md.prefill_mask.shape == (3, 1, 8, 16)
-    assert md.prefill_output_index.shape == (18,)
+    assert [(p.token_start, p.token_end) for p in md.prefills] == [(0, 8), (8, 15), (15, 18)]
+    for p, q_len, seq_len in zip(md.prefills, common.query_lens[3:], common.seq_lens_list[3:]):
+        if q_len == seq_len:  # a fresh prompt: causal over its own K/V, no blocks, no mask
+            assert p.block_table is None and p.mask is None
+        else:
+            blocks = -(-seq_len // 4)
+            assert p.block_table.shape == (1, blocks)
+            assert p.mask.shape == (1, 1, q_len, blocks * 4)
+            assert p.mask[0, 0, -1].sum() == seq_len  # the last query sees every key
     fresh = CpuAttentionBackend.build_metadata(
         CommonAttentionMetadata.from_lists([5], [5], [[3, 1]], 4))
-    assert fresh.prefill_is_causal and fresh.prefill_mask is None
+    assert fresh.prefills[0].mask is None
 
 
 def test_registry_and_errors():
