@@ -154,6 +154,37 @@ def test_bfloat16_close_to_transformers():
         assert (ours[s] - ref).abs().max() < 0.05 * ref.abs().max(), s
 
 
+# three sequences prefill, then decode together (batched pure decode steps); E is
+# longer than mistral's window of 5
+BATCHED = [[("A", 4), ("B", 2), ("E", 9)], [("A", 1), ("B", 1), ("E", 1)],
+           [("A", 1), ("B", 1), ("E", 1)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["llama", "mistral_sliding_window", "qwen2_bias_tied"])
+def test_cpu_decode_fast_path_matches_module_path(variant, dtype, monkeypatch):
+    """Pure decode steps run models/cpu_decode.py (raw kernel calls); the same steps
+    through the modules must give the same logits, bit for bit (same kernels, same
+    order), and match transformers."""
+    from llmserve.models import cpu_decode
+
+    hf_model, config = make_hf_model(variant, dtype=dtype)
+    model = make_model(config, hf_model, "cpu", dtype=dtype)
+    seqs = random_seqs({"A": 6, "B": 4, "E": 11}, seed=4)
+    used = []
+    build = cpu_decode.CpuDecodeStep.build
+    monkeypatch.setattr(cpu_decode.CpuDecodeStep, "build",
+                        classmethod(lambda cls, *a: used.append(build(*a)) or used[-1]))
+    fast = run_schedule(model, seqs, BATCHED)
+    assert [u is not None for u in used] == [False, True, True]  # the decode steps only
+    monkeypatch.setattr(cpu_decode.CpuDecodeStep, "build", classmethod(lambda cls, *a: None))
+    slow = run_schedule(model, seqs, BATCHED)
+    for s, ids in seqs.items():
+        assert torch.equal(fast[s], slow[s]), s
+        if dtype == torch.float32:
+            torch.testing.assert_close(fast[s], hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_load_weights_errors():
     hf_model, config = make_hf_model("llama")
     state = dict(hf_model.state_dict())

@@ -15,6 +15,8 @@ the model code never changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -70,6 +72,14 @@ class Linear(nn.Module):
         """x ``[num_tokens, input_size]`` -> ``[num_tokens, output_size]``."""
         return self.quant_method.apply(self, x, self.bias)
 
+    def matmul_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` as a closure with its lookups done once (built on first use,
+        rebuilt after any weight load): for hot loops such as the CPU decode path."""
+        fn = self.__dict__.get("_matmul_fn")
+        if fn is None:
+            fn = self.__dict__["_matmul_fn"] = self.quant_method.make_matmul(self)
+        return fn
+
     def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
         """``(row offset, rows)`` of a shard in the (fused) weight; the whole weight for None."""
         return 0, self.output_size
@@ -89,6 +99,7 @@ class Linear(nn.Module):
         Raises:
             ValueError: on a shape mismatch or an unknown shard id.
         """
+        self.__dict__.pop("_matmul_fn", None)
         offset, size = self.shard_rows(shard_id)
         what = "weight" if shard_id is None else f"shard {shard_id!r}"
         if param is not self.weight:  # bias: always dense

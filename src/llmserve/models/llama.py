@@ -28,6 +28,7 @@ from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
 from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb_
+from llmserve.models.cpu_decode import CpuDecodeStep, decode_layer
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -128,9 +129,16 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, kv_cache,
-                                                    attn_metadata)
+        # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
+        step = CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
+        if step is not None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden_states, residual = decode_layer(layer, step, hidden_states, residual,
+                                                       kv_cache)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden_states, residual = layer.forward(hidden_states, residual, cos, sin,
+                                                        kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -13,6 +13,7 @@ quantized shard arrives (:meth:`QuantizationConfig.get_linear_method`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +58,13 @@ class LinearMethodBase(ABC):
               bias: torch.Tensor | None) -> torch.Tensor:
         """``x [num_tokens, input_size]`` -> ``[num_tokens, output_size]``."""
 
+    def make_matmul(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> apply(layer, x, layer.bias)`` with the per-call lookups done once: for
+        hot loops (the CPU decode path), built after loading. Subclasses may return a
+        leaner closure over their tensors."""
+        bias = getattr(layer, "bias", None)
+        return lambda x: self.apply(layer, x, bias)
+
     @abstractmethod
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantizedTensor,
                     row_offset: int) -> None:
@@ -73,6 +81,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def make_matmul(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, bias = layer.weight, layer.bias
+        return lambda x: F.linear(x, weight, bias)
 
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantizedTensor,
                     row_offset: int) -> None:

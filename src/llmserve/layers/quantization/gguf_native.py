@@ -18,6 +18,7 @@ for SmolLM2-135M).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,21 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         else:
             layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype,
                                                     device="meta"), requires_grad=False)
+
+    def make_matmul(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.packed is None:
+            return super().make_matmul(layer)
+        packed, bias = self.packed.matmul, layer.bias
+        threshold, weight = self.config.dense_threshold, layer.weight
+        if threshold is None and bias is None:
+            return packed
+
+        def matmul(x: torch.Tensor) -> torch.Tensor:
+            if threshold is not None and x.shape[0] > threshold:
+                return F.linear(x, weight, bias)
+            y = packed(x)
+            return y if bias is None else y.add_(bias)
+        return matmul
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:

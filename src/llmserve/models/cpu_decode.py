@@ -1,0 +1,136 @@
+"""The CPU decode fast path of the Llama-family decoder (pure decode steps).
+
+A decode step at batch 1 does ~5 ms of matmuls (SmolLM2-135M, native 4-bit) and,
+through the generic module code, ~2.3 ms of Python around them: module calls,
+argument checks, views. This path runs each decoder layer as a fixed sequence of
+raw C kernel calls (``llmserve.kernels``) and matmul closures, with every check
+done once per step in :meth:`CpuDecodeStep.build`::
+
+    per layer:  add+RMSNorm -> qkv matmul -> RoPE(q, k) in place -> write K/V to the
+                cache -> paged decode attention -> o matmul -> add+RMSNorm ->
+                gate_up matmul -> SwiGLU -> down matmul
+
+Numerics are those of the generic path (the same kernels, the same order). It is
+used when every scheduled sequence decodes one token, the kernels are available,
+the activations are float32 or bfloat16 on the CPU and the attention backend is
+``"cpu"``; otherwise :class:`~llmserve.models.llama.LlamaModel` runs its modules.
+Measured (docs/benchmarks.md): 2.3 -> 1.1 ms of non-matmul time per batch-1 step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmserve.kernels import get_cpu_kernels
+from llmserve.kernels.cpu import _DTYPE_CODES, CpuKernels, _check
+
+
+@dataclass
+class CpuDecodeStep:
+    """What every layer of one pure decode step shares, checked once."""
+
+    kernels: CpuKernels
+    dtype_code: int
+    num_tokens: int
+    cos_ptr: int  # [T, head_dim / 2] contiguous
+    sin_ptr: int
+    slot_ptr: int  # [T] int64
+    block_table: torch.Tensor  # [T, max_blocks] int64, rows contiguous
+    seq_lens_ptr: int  # [T] int64
+    window: int
+    num_threads: int
+    num_blocks: int  # KV cache blocks per layer
+    block_size: int
+
+    @classmethod
+    def build(cls, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              attn_metadata: Any) -> CpuDecodeStep | None:
+        """The step's shared arguments, or None when the fast path does not apply."""
+        kernels = get_cpu_kernels()
+        md = attn_metadata
+        if kernels is None or getattr(md, "num_prefills", 1) != 0 or \
+                getattr(md, "decode_block_table", None) is None:
+            return None
+        code = _DTYPE_CODES.get(hidden.dtype)
+        key_cache = kv_caches[0][0]
+        if code is None or not hidden.is_cpu or not hidden.is_contiguous() or \
+                cos.dtype != hidden.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        num_tokens = hidden.shape[0]
+        for kc, vc in kv_caches:
+            if kc.dtype != hidden.dtype or vc.dtype != hidden.dtype or not kc.is_cpu or \
+                    not (kc.is_contiguous() and vc.is_contiguous()) or \
+                    kc.shape != key_cache.shape or vc.shape != key_cache.shape:
+                return None
+        table, seq_lens, slots = md.decode_block_table, md.decode_seq_lens, md.slot_mapping
+        for t in (table, seq_lens, slots):
+            if t.dtype != torch.int64 or not t.is_cpu or t.stride(-1) != 1:
+                return None
+        if table.shape[0] != num_tokens or seq_lens.shape != (num_tokens,) or \
+                slots.shape != (num_tokens,) or not seq_lens.is_contiguous():
+            return None
+        return cls(kernels, code, num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                   table, seq_lens.data_ptr(), md.sliding_window or 0,
+                   torch.get_num_threads(), key_cache.shape[0], key_cache.shape[1])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; residual None: ``(norm(x), x)``."""
+        if not x.is_contiguous():  # (a matmul output sliced from padded rows)
+            x = x.contiguous()
+        out = torch.empty_like(x)
+        if residual is None:
+            res_ptr = res_out_ptr = None
+            res_out = x
+        else:
+            res_out = torch.empty_like(x)
+            res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
+        _check(self.kernels._rms_norm(self.dtype_code, out.data_ptr(), x.data_ptr(), x.shape[1],
+                                      res_ptr, res_out_ptr, weight.data_ptr(), self.num_tokens,
+                                      x.shape[1], eps), "rms_norm")
+        return out, res_out
+
+
+def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
+                 residual: torch.Tensor | None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``LlamaDecoderLayer`` on the fast path (see the module docstring)."""
+    attn, mlp, k = layer.self_attn, layer.mlp, step.kernels
+    code, num_tokens = step.dtype_code, step.num_tokens
+    num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    norm = layer.input_layernorm
+    x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)
+    qkv = attn.qkv_proj.matmul_fn()(x)  # [T, (H + 2 Hkv) * D]
+    if not qkv.is_contiguous():
+        qkv = qkv.contiguous()
+    row, esize = qkv.shape[1], qkv.element_size()
+    qkv_ptr = qkv.data_ptr()
+    key_ptr = qkv_ptr + attn.q_size * esize
+    value_ptr = key_ptr + attn.kv_size * esize
+    key_cache, value_cache = kv_cache
+    _check(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads, head_dim, row,
+                         head_dim, step.cos_ptr, step.sin_ptr), "rotary_emb")
+    _check(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
+                       step.num_blocks * step.block_size, key_ptr, row, value_ptr, row,
+                       step.slot_ptr, num_tokens, attn.kv_size), "write_kv")
+    out = torch.empty((num_tokens, attn.q_size), dtype=hidden.dtype)
+    table = step.block_table
+    _check(k._paged_attention_decode(
+        code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
+        step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0), step.seq_lens_ptr,
+        num_tokens, num_heads, num_kv_heads, head_dim, step.block_size, attn.attn.scale,
+        step.window, step.num_threads), "paged_attention_decode")
+    hidden = attn.o_proj.matmul_fn()(out)
+    norm = layer.post_attention_layernorm
+    x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)
+    gate_up = mlp.gate_up_proj.matmul_fn()(x)  # [T, 2 * intermediate]
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    act = torch.empty((num_tokens, gate_up.shape[1] // 2), dtype=hidden.dtype)
+    _check(k._silu_and_mul(code, act.data_ptr(), gate_up.data_ptr(), num_tokens,
+                           act.shape[1]), "silu_and_mul")
+    return mlp.down_proj.matmul_fn()(act), residual
