@@ -222,3 +222,22 @@ def test_build_errors_and_opt_out(monkeypatch, tmp_path):
     finally:
         monkeypatch.delenv("LLMSERVE_CPU_KERNELS", raising=False)
         get_cpu_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+def test_q8_0_matmul_matches_the_gguf_formula(kernels, dtype, num_rows):
+    """y = x (d q)^T with d the fp16 block scale: every product exact in float32."""
+    gen = torch.Generator().manual_seed(num_rows)
+    n, k = 70, 96  # 3 blocks of 32 per row
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
+    x = torch.randn(num_rows, k, generator=gen).to(dtype)
+    weight = (codes.float().view(n, k // 32, 32) * scales[:, :, None]).view(n, k)
+    want = x.double() @ weight.double().T
+    got = kernels.q8_0_matmul(x, codes, scales, num_threads=2)
+    assert got.dtype == dtype and got.shape == (num_rows, n)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    with pytest.raises(ValueError, match="q8_0_matmul"):
+        kernels.q8_0_matmul(torch.randn(17, k).to(dtype), codes, scales)

@@ -25,6 +25,8 @@ _SIGNATURES = {
     "write_kv": [_INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64],
     # dtype, out, x, num_tokens, d
     "silu_and_mul": [_INT, _P, _P, _I64, _I64],
+    # dtype, out, x, x_stride, codes, scales, M, N, K, num_threads
+    "q8_0_matmul": [_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _INT],
     # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
     # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
     # block_size, scale, window, num_threads
@@ -151,6 +153,35 @@ class CpuKernels:
         out = x.new_empty((num_tokens, width // 2))
         _check(self._silu_and_mul(code, out.data_ptr(), x.data_ptr(), num_tokens, width // 2),
                "silu_and_mul")
+        return out
+
+    def q8_0_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    num_threads: int = 1) -> torch.Tensor:
+        """``x W^T`` for a GGUF Q8_0 weight ``W = d * q`` kept as its blocks.
+
+        Args:
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
+            codes: int8 ``[N, K]`` contiguous; scales: float32 ``[N, K / 32]`` contiguous.
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype; float32 products and sums (each ``q * x`` exact).
+
+        Raises:
+            ValueError: shapes, dtypes or M outside 1..16.
+        """
+        num_rows, k = x.shape
+        n = codes.shape[0]
+        if codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.stride(1) != 1 or \
+                codes.shape != (n, k) or scales.shape != (n, k // 32) or k % 32 or \
+                not (codes.is_contiguous() and scales.is_contiguous()) or \
+                not 1 <= num_rows <= 16 or not (codes.is_cpu and scales.is_cpu):
+            raise ValueError(f"q8_0_matmul: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
+                             f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype}")
+        code = _code(x)
+        out = x.new_empty((num_rows, n))
+        _check(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
+                                 codes.data_ptr(), scales.data_ptr(), num_rows, n, k,
+                                 num_threads), "q8_0_matmul")
         return out
 
     def paged_attention_decode(self, query: torch.Tensor, key_cache: torch.Tensor,

@@ -529,3 +529,71 @@ int paged_attention_decode(int dtype, void *out, const void *query, int64_t q_st
     }
     return status;
 }
+
+/* ------------------------------------------------------------------ Q8_0 matmul
+ * y[m, n] = sum_b d[n, b] * sum_{i < 32} q[n, 32 b + i] * x[m, 32 b + i]   (GGUF Q8_0)
+ *   x      [M, K] (row stride x_stride), the storage dtype
+ *   codes  [N, K] int8 contiguous; scales [N, K / 32] float32 (the fp16 d, exact)
+ *   out    [M, N] the storage dtype (rounded once, from a float32 sum)
+ * Every product q * x is exact in float32, so the only roundings are the float32 sums
+ * and the output's. Rows of W are split over OpenMP threads; each block of 32 codes is
+ * read once for all M rows (M <= 16).
+ */
+#define PREFETCH_ROWS 4
+
+int q8_0_matmul(int dtype, void *out, const void *x, int64_t x_stride, const int8_t *codes,
+                const float *scales, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (K % 32 || M < 1 || M > 16 || N < 1) return -1;
+    const int64_t nb = K / 32;
+    const size_t es = elem_size(dtype);
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -2;
+    for (int64_t m = 0; m < M; m++) load_row(dtype, xf + m * K, (const char *)x + m * x_stride * es, K);
+    int nt = num_threads < 1 ? 1 : num_threads;
+    (void)nt;  /* (unused without OpenMP) */
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *q = codes + n * K;
+        const float *d = scales + n * nb;
+        float y[16];
+#if defined(__AVX512F__)
+        __m512 acc[16];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        /* prefetch the codes PREFETCH_ROWS rows ahead: the hardware prefetcher alone
+         * left ~10-20% of the bandwidth unused (49152 x 576 at batch 1: 1.41 -> 1.25-1.35 ms) */
+        if (n + PREFETCH_ROWS < N)
+            for (int64_t off = 0; off < K; off += 64)
+                _mm_prefetch((const char *)(q + PREFETCH_ROWS * K + off), _MM_HINT_T0);
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(q + 32 * b))));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(q + 32 * b + 16))));
+            __m512 db = _mm512_set1_ps(d[b]);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = xf + m * K + 32 * b;
+                __m512 part = _mm512_mul_ps(w0, _mm512_loadu_ps(xm));
+                part = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), part);
+                acc[m] = _mm512_fmadd_ps(part, db, acc[m]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+        for (int64_t m = 0; m < M; m++) {
+            float lanes[LANES] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                float part[LANES] = {0};
+                const float *xm = xf + m * K + 32 * b;
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < LANES; l++)
+                        part[l] += (float)q[32 * b + 16 * h + l] * xm[16 * h + l];
+                for (int l = 0; l < LANES; l++) lanes[l] += part[l] * d[b];
+            }
+            y[m] = tree16(lanes);
+        }
+#endif
+        for (int64_t m = 0; m < M; m++) store(dtype, out, m * N + n, y[m]);
+    }
+    free(xf);
+    return 0;
+}

@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.kernels import get_cpu_kernels
 from llmserve.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
@@ -80,7 +82,8 @@ class GGUFNativeConfig(QuantizationConfig):
                 continue
             del module.weight.quantized_source
             if tied:
-                packed = pack_gguf_shards([src.unpack()], self.dtype)
+                packed = _q8_0_weight(src, self.dtype) or \
+                    pack_gguf_shards([src.unpack()], self.dtype)
                 module.weight = nn.Parameter(
                     NativeLMHeadWeight(module.weight.data, packed, self.dense_threshold),
                     requires_grad=False)
@@ -156,6 +159,38 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
 
+class Q8_0Weight:
+    """A GGUF Q8_0 weight kept as int8 codes ``[N, K]`` and float32 scales ``[N, K / 32]``,
+    multiplied by the C kernel ``q8_0_matmul`` (exact scales, 1.06 bytes a weight; the
+    int4 kernel would need the input doubled and bf16-rounded scales, 1.25 bytes)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.codes, self.scales, self.activation_dtype = codes, scales, dtype
+        self.out_features, self.in_features = codes.shape
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]``; M above 16 in chunks of 16."""
+        kernels = get_cpu_kernels()
+        threads = torch.get_num_threads()
+        if x.shape[0] <= 16:
+            return kernels.q8_0_matmul(x, self.codes, self.scales, threads)
+        return torch.cat([kernels.q8_0_matmul(c, self.codes, self.scales, threads)
+                          for c in x.split(16)])
+
+
+def _q8_0_weight(src: GGUFQuantizedTensor, dtype: torch.dtype) -> Q8_0Weight | None:
+    """The Q8_0 kernel's form of ``src``, or None (another type, or no C kernels)."""
+    kernels = get_cpu_kernels()
+    if src.qtype != "Q8_0" or kernels is None or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    u = src.unpack()
+    return Q8_0Weight(torch.from_numpy(u.codes.astype(np.int8, copy=False)).contiguous(),
+                      torch.from_numpy(u.d.astype(np.float32, copy=False)).contiguous(), dtype)
+
+
 class NativeLMHeadWeight(torch.Tensor):
     """A dense embedding table that runs ``F.linear(x, table)`` (the tied LM head) natively.
 
@@ -164,11 +199,11 @@ class NativeLMHeadWeight(torch.Tensor):
     None) runs the packed int4 kernel instead. Every other op sees a plain tensor.
     """
 
-    packed: Int4PackedWeight
+    packed: Int4PackedWeight | Q8_0Weight
     dense_threshold: int | None
 
     @staticmethod
-    def __new__(cls, dense: torch.Tensor, packed: Int4PackedWeight,
+    def __new__(cls, dense: torch.Tensor, packed: Int4PackedWeight | Q8_0Weight,
                 dense_threshold: int | None) -> NativeLMHeadWeight:
         t = torch.Tensor._make_subclass(cls, dense, False)
         t.packed = packed
@@ -181,7 +216,7 @@ class NativeLMHeadWeight(torch.Tensor):
         if func is F.linear and len(args) >= 2 and isinstance(args[1], cls):
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if bias is None and x.dim() == 2 and x.dtype == w.packed.scales_and_zeros.dtype \
+            if bias is None and x.dim() == 2 and x.dtype == w.packed.activation_dtype \
                     and (w.dense_threshold is None or x.shape[0] <= w.dense_threshold):
                 with torch._C.DisableTorchFunctionSubclass():
                     return w.packed.matmul(x)

@@ -67,6 +67,10 @@ class Int4PackedWeight:
         return (self.packed.numel() * self.packed.element_size()
                 + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (the ``scales_and_zeros`` dtype) -> ``x W^T`` ``[M, N]``."""
         if self.wide:
