@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks",
                                                      "step_time.json"))
+    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"),
+                    help="markdown file whose step-time section is replaced ('' = none)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.quick)))
@@ -141,6 +143,42 @@ def main() -> None:
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
     print("wrote", args.output)
+    if args.doc and not args.quick:
+        write_doc(args.doc, results, rows)
+
+
+BEGIN, END = "<!-- step-time:begin -->", "<!-- step-time:end -->"
+LABELS = {"batch_1": "batch 1, 200-token prompt", "batch_64": "batch 64, 200-token prompts",
+          "context_2048": "batch 1, 2,048 tokens of context",
+          "context_8000": "batch 1, 8,000 tokens of context"}
+
+
+def write_doc(path: str, results: dict, rows: list[str]) -> None:
+    """Replace the table between the step-time markers of ``path``."""
+    lines = ["| decode step | C kernels: step / model / outside ms | PyTorch ops: step / "
+             "model / outside ms | speed-up |", "|---|---|---|---|"]
+    for row in rows:
+        cells = []
+        for mode in ("c-kernels", "torch-ops"):
+            r = results[mode][row]
+            cells.append(f"{r['step_ms']:.2f} / {r['model_ms']:.2f} / {r['outside_ms']:.2f}")
+        lines.append(f"| {LABELS.get(row, row)} | {cells[0]} | {cells[1]} | "
+                     f"{results['speedup'][row]:.2f}x |")
+    lines.append("")
+    lines.append(f"Medians over the timed steps; 'model' = forward + LM head, 'outside' = the "
+                 f"rest of `LLMEngine.step` (scheduling, inputs, sampling, detokenizing). "
+                 f"Command: `python benchmarks/step_time.py` "
+                 f"({time.strftime('%Y-%m-%d %H:%M')}).")
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        print(f"no step-time markers in {path}; not updated")
+        return
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+    print("updated", path)
 
 
 if __name__ == "__main__":
