@@ -254,6 +254,16 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
+/* softmax over n scores in place: float32, max-subtracted */
+static inline void softmax_inplace(float *sc, int64_t n) {
+    float mx = max_f32(sc, n);
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) sc[j] = exp_approx(sc[j] - mx);
+    float inv = 1.0f / sum_f32(sc, n);
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+}
+
 int silu_and_mul(int dtype, void *out, const void *x, int64_t num_tokens, int64_t d) {
     size_t es = elem_size(dtype);
     int status = 0;
@@ -339,15 +349,7 @@ static inline __attribute__((always_inline)) void attend_core(
             scores[g * n + j] = dot_f32(qbuf + g * D, kv, D) * scale;
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sc = scores + g * n;
-        float mx = max_f32(sc, n);
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) sc[j] = exp_approx(sc[j] - mx);
-        float inv = 1.0f / sum_f32(sc, n);
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-    }
+    for (int64_t g = 0; g < G; g++) softmax_inplace(scores + g * n, n);
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
     blk = start / bs;
     off = start % bs;
@@ -413,15 +415,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) {
-        float *sc = scores + h * n;
-        float mx = max_f32(sc, n);
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) sc[j] = exp_approx(sc[j] - mx);
-        float inv = 1.0f / sum_f32(sc, n);
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) sc[j] *= inv;
-    }
+    for (int64_t h = 0; h < H; h++) softmax_inplace(scores + h * n, n);
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
     blk = start / bs;
     off = start % bs;
