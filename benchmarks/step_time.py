@@ -35,6 +35,7 @@ class StepTimer:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.model_s = 0.0
+        self.batch = 0
         model = engine.runner.model
         for name in ("forward", "compute_logits"):
             setattr(model, name, self._timed(getattr(model, name)))
@@ -53,9 +54,13 @@ class StepTimer:
         ``[(step_s, model_s), ...]``."""
         from llmserve.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=num_steps + 2, temperature=0.0, ignore_eos=True)
-        for i, ids in enumerate(prompts):
-            self.engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        # enough tokens that no request ends during the timed steps (the first ones
+        # decode while the last prompts are still prefilling); aborted afterwards
+        params = SamplingParams(max_tokens=num_steps + 256, temperature=0.0, ignore_eos=True)
+        req_ids = [f"r{self.batch}-{i}" for i in range(len(prompts))]
+        self.batch += 1
+        for req_id, ids in zip(req_ids, prompts):
+            self.engine.add_request(req_id, {"prompt_token_ids": ids}, params)
         sched = self.engine.scheduler
         # prefill until every request has its first token (then each step is all decodes)
         while any(r.num_computed_tokens < r.num_prompt_tokens
@@ -67,6 +72,8 @@ class StepTimer:
             t = time.perf_counter()
             self.engine.step()
             times.append((time.perf_counter() - t, self.model_s))
+            assert len(sched.running) == len(prompts), "a request ended or was preempted"
+        self.engine.abort_request(req_ids)
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return times
