@@ -19,6 +19,7 @@ Where no compiler works, or ``LLMSERVE_CPU_KERNELS=0`` is set,
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -108,6 +109,8 @@ def build_cpu_kernels(cache_dir: str | None = None, native: bool = True) -> str:
             logger.info("built CPU kernels: %s", lib)
             return lib
         os.unlink(tmp)
+        with contextlib.suppress(OSError):  # leave no empty folder behind
+            os.rmdir(folder)
         errors.append(f"{cc} {' '.join(flags)}:\n{err}")
     raise RuntimeError("could not compile the llmserve CPU kernels:\n" + "\n".join(errors))
 
