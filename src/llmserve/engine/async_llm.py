@@ -132,6 +132,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
         self._streams_lock = threading.Lock()
         self._stats = EngineStatsSnapshot()
+        self._max_num_seqs = engine.config.scheduler_config.max_num_seqs
         self._num_pending_adds = 0  # guarded by _cv
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
         self._thread.start()
@@ -152,12 +153,16 @@ class AsyncLLM:
     is_running = property(lambda self: self._thread.is_alive() and not self._stopping)
 
     def get_stats(self) -> EngineStatsSnapshot:
-        """The latest snapshot; ``num_waiting_reqs`` includes adds not yet taken."""
+        """The latest snapshot; ``num_waiting_reqs`` includes the adds not yet taken by the
+        engine thread that will not fit in the running batch (``max_num_seqs``): a request
+        that arrives while a slot is free is not waiting, however fast the thread is."""
         s = self._stats
         pending = self._num_pending_adds
         if not pending:
             return s
-        return dataclasses.replace(s, num_waiting_reqs=s.num_waiting_reqs + pending)
+        free = max(0, self._max_num_seqs - s.num_running_reqs - s.num_waiting_reqs)
+        return dataclasses.replace(s, num_waiting_reqs=s.num_waiting_reqs
+                                   + max(0, pending - free))
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt: PromptType,
