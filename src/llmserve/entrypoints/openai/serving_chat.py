@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.protocol import (
     usage_info,
 )
 from llmserve.entrypoints.openai.serving_engine import (
+    LOGPROB_FLOOR,
     OpenAIServing,
     PromptInput,
     bad_request,
@@ -41,8 +42,6 @@ from llmserve.entrypoints.openai.serving_engine import (
 from llmserve.outputs import SampleLogprobs
 from llmserve.sampling_params import MAX_LOGPROBS
 from llmserve.tokenizer import apply_chat_template
-
-LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
 def _top(token: str, logprob: float) -> dict:

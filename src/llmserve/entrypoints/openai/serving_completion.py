@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.protocol import (
     usage_info,
 )
 from llmserve.entrypoints.openai.serving_engine import (
+    LOGPROB_FLOOR,
     OpenAIServing,
     PromptInput,
     bad_request,
@@ -34,8 +35,6 @@ from llmserve.entrypoints.openai.serving_engine import (
 )
 from llmserve.outputs import SampleLogprobs
 from llmserve.tokenizer import encode_text
-
-LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
 def completion_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: int,

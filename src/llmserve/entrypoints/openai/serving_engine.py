@@ -98,6 +98,9 @@ class PromptInput:
         return prompt
 
 
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
