@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 _SIGNATURES = {
@@ -35,7 +35,7 @@ _SIGNATURES = {
 }
 
 
-def _check(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
     if status == -3:
         raise ValueError(f"{what}: a slot or block id is outside the KV cache")
     if status == -4:
@@ -46,7 +46,7 @@ def _check(status: int, what: str) -> None:
 
 def _code(x: torch.Tensor, *others: torch.Tensor) -> int:
     """The dtype code of ``x``; every tensor on the CPU with ``x``'s dtype (else ValueError)."""
-    code = _DTYPE_CODES.get(x.dtype)
+    code = DTYPE_CODES.get(x.dtype)
     ok = code is not None and x.is_cpu
     dtype = x.dtype
     for t in others:  # (a plain loop: a generator here costs a microsecond)
@@ -76,7 +76,7 @@ class CpuKernels:
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
         """True for a CPU float32 / bfloat16 tensor whose last dimension is contiguous."""
-        return x.is_cpu and x.dtype in _DTYPE_CODES and x.stride(-1) == 1
+        return x.is_cpu and x.dtype in DTYPE_CODES and x.stride(-1) == 1
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
@@ -87,21 +87,25 @@ class CpuKernels:
         if x.stride(1) != 1 or weight.shape != (hidden,) or not weight.is_contiguous():
             raise ValueError(f"rms_norm: x {tuple(x.shape)} strides {x.stride()} with weight "
                              f"{tuple(weight.shape)}")
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if residual is None:
-            code = _code(x, weight)
-            status = self._rms_norm(code, out.data_ptr(), x.data_ptr(), x.stride(0), None, None,
-                                    weight.data_ptr(), num_tokens, hidden, eps)
-            _check(status, "rms_norm")
-            return out
+            return self.rms_norm_unchecked(_code(x, weight), x, weight, eps, None)[0]
         if residual.shape != x.shape or not residual.is_contiguous():
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must be a contiguous "
                              f"{tuple(x.shape)}")
-        code = _code(x, weight, residual)
-        res_out = torch.empty_like(out)
-        _check(self._rms_norm(code, out.data_ptr(), x.data_ptr(), x.stride(0),
-                              residual.data_ptr(), res_out.data_ptr(), weight.data_ptr(),
-                              num_tokens, hidden, eps), "rms_norm")
+        return self.rms_norm_unchecked(_code(x, weight, residual), x, weight, eps, residual)
+
+    def rms_norm_unchecked(self, code: int, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`rms_norm` without its checks, for callers that made them once per step
+        (the CPU decode path): ``(norm(x [+ residual]), x + residual or None)``."""
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        res_out = None if residual is None else torch.empty_like(out)
+        check_status(self._rms_norm(
+            code, out.data_ptr(), x.data_ptr(), x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0],
+            x.shape[1], eps), "rms_norm")
         return out, res_out
 
     def rotary_emb_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -113,7 +117,7 @@ class CpuKernels:
             raise ValueError(f"rotary_emb_: x {tuple(x.shape)} strides {x.stride()}, cos/sin "
                              f"{tuple(cos.shape)} (contiguous, [T, head_dim / 2])")
         code = _code(x, cos, sin)
-        _check(self._rotary_emb(code, x.data_ptr(), num_tokens, heads, head_dim,
+        check_status(self._rotary_emb(code, x.data_ptr(), num_tokens, heads, head_dim,
                                 x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr()),
                "rotary_emb")
 
@@ -138,7 +142,7 @@ class CpuKernels:
                              f"{value.stride()}, caches {tuple(key_cache.shape)}, slot_mapping "
                              f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
         code = _code(key, value, key_cache, value_cache)
-        _check(self._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
+        check_status(self._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
                               key_cache.numel() // row, key.data_ptr(), key.stride(0),
                               value.data_ptr(), value.stride(0), slot_mapping.data_ptr(),
                               num_tokens, row), "write_kv")
@@ -151,7 +155,7 @@ class CpuKernels:
                              f"{tuple(x.shape)} strides {x.stride()}")
         code = _code(x)
         out = x.new_empty((num_tokens, width // 2))
-        _check(self._silu_and_mul(code, out.data_ptr(), x.data_ptr(), num_tokens, width // 2),
+        check_status(self._silu_and_mul(code, out.data_ptr(), x.data_ptr(), num_tokens, width // 2),
                "silu_and_mul")
         return out
 
@@ -179,7 +183,7 @@ class CpuKernels:
                              f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype}")
         code = _code(x)
         out = x.new_empty((num_rows, n))
-        _check(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
+        check_status(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
                                  codes.data_ptr(), scales.data_ptr(), num_rows, n, k,
                                  num_threads), "q8_0_matmul")
         return out
@@ -222,7 +226,7 @@ class CpuKernels:
                              "contiguous) and seq_lens [S] needed")
         code = _code(query, key_cache, value_cache)
         out = query.new_empty((num_seqs, num_heads, head_dim))
-        _check(self._paged_attention_decode(
+        check_status(self._paged_attention_decode(
             code, out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
             value_cache.data_ptr(), num_blocks, block_table.data_ptr(), block_table.shape[1],
             block_table.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from llmserve.kernels import get_cpu_kernels
-from llmserve.kernels.cpu import _DTYPE_CODES, CpuKernels, _check
+from llmserve.kernels.cpu import DTYPE_CODES, CpuKernels, check_status
 
 
 @dataclass
@@ -55,7 +55,7 @@ class CpuDecodeStep:
         if kernels is None or getattr(md, "num_prefills", 1) != 0 or \
                 getattr(md, "decode_block_table", None) is None:
             return None
-        code = _DTYPE_CODES.get(hidden.dtype)
+        code = DTYPE_CODES.get(hidden.dtype)
         key_cache = kv_caches[0][0]
         if code is None or not hidden.is_cpu or not hidden.is_contiguous() or \
                 cos.dtype != hidden.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -80,19 +80,8 @@ class CpuDecodeStep:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; residual None: ``(norm(x), x)``."""
-        if not x.is_contiguous():  # (a matmul output sliced from padded rows)
-            x = x.contiguous()
-        out = torch.empty_like(x)
-        if residual is None:
-            res_ptr = res_out_ptr = None
-            res_out = x
-        else:
-            res_out = torch.empty_like(x)
-            res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
-        _check(self.kernels._rms_norm(self.dtype_code, out.data_ptr(), x.data_ptr(), x.shape[1],
-                                      res_ptr, res_out_ptr, weight.data_ptr(), self.num_tokens,
-                                      x.shape[1], eps), "rms_norm")
-        return out, res_out
+        out, res_out = self.kernels.rms_norm_unchecked(self.dtype_code, x, weight, eps, residual)
+        return out, x if res_out is None else res_out
 
 
 def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
@@ -112,14 +101,14 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
     key_ptr = qkv_ptr + attn.q_size * esize
     value_ptr = key_ptr + attn.kv_size * esize
     key_cache, value_cache = kv_cache
-    _check(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads, head_dim, row,
+    check_status(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads, head_dim, row,
                          head_dim, step.cos_ptr, step.sin_ptr), "rotary_emb")
-    _check(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
+    check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
                        step.num_blocks * step.block_size, key_ptr, row, value_ptr, row,
                        step.slot_ptr, num_tokens, attn.kv_size), "write_kv")
     out = torch.empty((num_tokens, attn.q_size), dtype=hidden.dtype)
     table = step.block_table
-    _check(k._paged_attention_decode(
+    check_status(k._paged_attention_decode(
         code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
         step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0), step.seq_lens_ptr,
         num_tokens, num_heads, num_kv_heads, head_dim, step.block_size, attn.attn.scale,
@@ -131,6 +120,6 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
     if not gate_up.is_contiguous():
         gate_up = gate_up.contiguous()
     act = torch.empty((num_tokens, gate_up.shape[1] // 2), dtype=hidden.dtype)
-    _check(k._silu_and_mul(code, act.data_ptr(), gate_up.data_ptr(), num_tokens,
+    check_status(k._silu_and_mul(code, act.data_ptr(), gate_up.data_ptr(), num_tokens,
                            act.shape[1]), "silu_and_mul")
     return mlp.down_proj.matmul_fn()(act), residual
