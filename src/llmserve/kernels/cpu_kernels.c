@@ -309,6 +309,26 @@ int silu_and_mul(int dtype, void *out, const void *x, int64_t num_tokens, int64_
  * PyTorch's copy and shares its (already spinning) thread pool: no extra threads
  * competing for the cores.
  */
+/* A sequence's cache slots, position by position (no division per position). */
+typedef struct {
+    const int64_t *table;
+    int64_t block_size, blk, off;
+} slot_cursor;
+
+static inline slot_cursor slots_from(const int64_t *table, int64_t block_size, int64_t pos) {
+    slot_cursor c = {table, block_size, pos / block_size, pos % block_size};
+    return c;
+}
+
+static inline int64_t next_slot(slot_cursor *c) {
+    int64_t slot = c->table[c->blk] * c->block_size + c->off;
+    if (++c->off == c->block_size) {
+        c->off = 0;
+        c->blk++;
+    }
+    return slot;
+}
+
 typedef struct {
     int dtype;
     void *out;
@@ -337,13 +357,9 @@ static inline __attribute__((always_inline)) void attend_core(
         load_row(dtype, qbuf + g * D,
                  (const char *)a->query + (seq * a->q_stride + (kvh * G + g) * D) * es, D);
     /* scores[g][j] = scale * q_g . k_j */
-    int64_t blk = start / bs, off = start % bs;
+    slot_cursor cur = slots_from(table, bs, start);
     for (int64_t j = 0; j < n; j++) {
-        int64_t slot = table[blk] * bs + off;
-        if (++off == bs) {
-            off = 0;
-            blk++;
-        }
+        int64_t slot = next_slot(&cur);
         load_row(dtype, kv, (const char *)a->key_cache + (slot * row + kvh * D) * es, D);
         for (int64_t g = 0; g < G; g++) {
             scores[g * n + j] = dot_f32(qbuf + g * D, kv, D) * scale;
@@ -351,14 +367,9 @@ static inline __attribute__((always_inline)) void attend_core(
     }
     for (int64_t g = 0; g < G; g++) softmax_inplace(scores + g * n, n);
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
-    blk = start / bs;
-    off = start % bs;
+    cur = slots_from(table, bs, start);
     for (int64_t j = 0; j < n; j++) {
-        int64_t slot = table[blk] * bs + off;
-        if (++off == bs) {
-            off = 0;
-            blk++;
-        }
+        int64_t slot = next_slot(&cur);
         load_row(dtype, kv, (const char *)a->value_cache + (slot * row + kvh * D) * es, D);
         for (int64_t g = 0; g < G; g++) {
             float p = scores[g * n + j];
@@ -396,13 +407,9 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const int64_t V = D / 16;
     const float scale = a->scale;
     load_row(dtype, qbuf, (const char *)a->query + seq * a->q_stride * es, H * D);
-    int64_t blk = start / bs, off = start % bs;
+    slot_cursor cur = slots_from(table, bs, start);
     for (int64_t j = 0; j < n; j++) {
-        const char *kp = (const char *)a->key_cache + ((table[blk] * bs + off) * row) * es;
-        if (++off == bs) {
-            off = 0;
-            blk++;
-        }
+        const char *kp = (const char *)a->key_cache + next_slot(&cur) * row * es;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             __m512 k[16];
             for (int64_t v = 0; v < V; v++) k[v] = load16(dtype, kp + (kvh * D + v * 16) * es);
@@ -417,14 +424,9 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     }
     for (int64_t h = 0; h < H; h++) softmax_inplace(scores + h * n, n);
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    blk = start / bs;
-    off = start % bs;
+    cur = slots_from(table, bs, start);
     for (int64_t j = 0; j < n; j++) {
-        const char *vp = (const char *)a->value_cache + ((table[blk] * bs + off) * row) * es;
-        if (++off == bs) {
-            off = 0;
-            blk++;
-        }
+        const char *vp = (const char *)a->value_cache + next_slot(&cur) * row * es;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             __m512 val[16];
             for (int64_t v = 0; v < V; v++)
