@@ -22,6 +22,14 @@ class ModelConfig:
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
     ``eos_token_ids`` gathers every id that ends generation (config and
     ``generation_config.json``).
+
+    Mixture of experts (``num_experts > 0``; Mixtral's ``num_local_experts``): each
+    token runs ``num_experts_per_tok`` of ``num_experts`` experts of width
+    ``moe_intermediate_size`` (0: ``intermediate_size``), plus a gated shared expert
+    of width ``shared_expert_intermediate_size`` when that is > 0 (Qwen2-MoE).
+    ``norm_topk_prob`` renormalizes the top-k weights (always on for Mixtral). Layer
+    ``i`` is sparse unless ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+    (Qwen-MoE); dense layers use ``intermediate_size``.
     """
 
     architecture: str
@@ -43,8 +51,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # mixture of experts (see the class docstring)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_moe()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
             if int(getattr(self, name)) <= 0:
@@ -60,6 +77,27 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             object.__setattr__(self, "sliding_window", None)
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    def _check_moe(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not self.num_experts:
+            return
+        if self.num_experts < 0 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig: num_experts_per_tok must be in 1..num_experts "
+                             f"({self.num_experts}), got {self.num_experts_per_tok}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"ModelConfig.decoder_sparse_step must be >= 1, "
+                             f"got {self.decoder_sparse_step}")
+        if self.moe_intermediate_size < 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError("ModelConfig: expert sizes must be >= 0")
+        if not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has routed experts (Qwen-MoE's rule;
+        every layer for Mixtral)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], extra_eos: list[int] | tuple[int, ...] = ()) -> ModelConfig:
@@ -101,14 +139,33 @@ class ModelConfig:
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)
-                                    or cfg.get("model_type") == "qwen2"),
+                                    or cfg.get("model_type") == "qwen2"
+                                    or (cfg.get("model_type") == "qwen2_moe"
+                                        and cfg.get("qkv_bias", True))),
                 sliding_window=sw,
                 hidden_act=cfg.get("hidden_act", "silu"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(eos_list),
+                **_moe_fields(cfg),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a HF config (Mixtral: ``num_local_experts``; Qwen: ``num_experts``)."""
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not num_experts:
+        return {}
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        norm_topk_prob=cfg.get("model_type") == "mixtral" or bool(cfg.get("norm_topk_prob")),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+    )
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from llmserve.config import ModelConfig
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some old checkpoints saved; recomputed by the model.

@@ -14,7 +14,7 @@ Input is flattened: all scheduled tokens of all sequences in one dimension
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -79,9 +79,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], dtype=dtype)
         self.act_fn = get_act_and_mul(config.hidden_act)
         self.down_proj = Linear(size, config.hidden_size, dtype=dtype)
@@ -113,15 +114,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """``make_layer(i)`` builds decoder layer ``i`` (default: :class:`LlamaDecoderLayer`)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend],
+                 make_layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, backend_cls)
-                                    for _ in range(config.num_hidden_layers))
+        if make_layer is None:
+            def make_layer(_: int) -> nn.Module:
+                return LlamaDecoderLayer(config, dtype, backend_cls)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        # the CPU decode fast path runs exactly the ops of these three classes
+        self.use_cpu_decode = all(
+            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP for layer in self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -130,7 +140,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         residual = None
         # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
-        step = CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
+        step = (CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
+                if self.use_cpu_decode else None)
         if step is not None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = decode_layer(layer, step, hidden_states, residual,
@@ -174,10 +185,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = config.head_dim
         # the runner copies this into CommonAttentionMetadata.sliding_window
         self.sliding_window = config.sliding_window
-        self.model = LlamaModel(config, dtype, self.attn_backend_cls)
+        self.model = LlamaModel(config, dtype, self.attn_backend_cls, self.make_decoder_layer)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, dtype=dtype))
+
+    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx``; other architectures override this."""
+        return LlamaDecoderLayer(self.config, self.dtype, self.attn_backend_cls)
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key (or value) cache:
@@ -246,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             pname, shard_id = name_map[name]
             module = self.get_submodule(pname.rsplit(".", 1)[0])
             try:
-                if isinstance(module, Linear):
+                if hasattr(module, "weight_loader"):  # Linear, FusedMoE
                     module.weight_loader(params[pname], tensor, shard_id)
                 else:
                     default_weight_loader(params[pname], tensor)

@@ -5,11 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from llmserve.models.llama import LlamaForCausalLM
+from llmserve.models.mixtral import MixtralForCausalLM
+from llmserve.models.qwen2_moe import Qwen2MoeForCausalLM
+from llmserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
