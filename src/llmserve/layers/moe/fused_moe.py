@@ -12,7 +12,8 @@ and runs each *selected* expert once, on exactly the tokens routed to it::
 
     for expert e with n_e > 0 tokens:   x = hidden[tokens_e]                    [n_e, H]
                                         y = down_e(silu(gate_e(x)) * up_e(x))  [n_e, H]
-                                        out.index_add_(0, tokens_e, w_e * y)
+                                        rows_e = w_e * y
+    out[t] = sum of token t's top_k rows (gathered back, ascending expert id)
 
 An expert no token picked costs nothing; the work is ``num_tokens * top_k`` expert
 rows, never ``num_tokens * num_experts``. Per token the expert outputs are summed in
@@ -64,31 +65,40 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         topk_weights: ``[num_tokens, top_k]``; the product with an expert's output is
             taken in ``result_type(output, weights)`` (float32 weights: float32), then
             cast to ``hidden_states.dtype`` before the sum, as transformers does.
-        topk_ids: ``[num_tokens, top_k]`` int64.
+        topk_ids: ``[num_tokens, top_k]`` int64, distinct experts within a row.
         act_fn: ``[n, 2 * intermediate_size] -> [n, intermediate_size]`` (SwiGLU).
 
     Returns:
         ``[num_tokens, hidden_size]`` in ``hidden_states.dtype``.
     """
     num_tokens, top_k = topk_ids.shape
-    out = torch.zeros_like(hidden_states)
     if num_tokens == 0:
-        return out
+        return torch.zeros_like(hidden_states)
     sorted_slots, counts = moe_align(topk_ids, w13.shape[0])
     token_ids = sorted_slots // top_k  # [num_tokens * top_k], grouped by expert
     weights = topk_weights.reshape(-1)[sorted_slots]
+    # weighted expert outputs, rows in expert-grouped (sorted slot) order
+    expert_out = hidden_states.new_empty((num_tokens * top_k, hidden_states.shape[1]))
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        tokens = token_ids[start:end]
-        x = hidden_states.index_select(0, tokens)  # [count, hidden_size]
+        x = hidden_states.index_select(0, token_ids[start:end])  # [count, hidden_size]
         y = F.linear(act_fn(F.linear(x, w13[expert])), w2[expert])
-        y = y * weights[start:end, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
+        expert_out[start:end] = y * weights[start:end, None]
         start = end
-    return out
+    # combine by gathers, not index_add_ (which runs a thread pool even for one row): each
+    # token's rows, its experts in ascending id order, summed left to right as the
+    # transformers loop accumulates them
+    row_of_slot = torch.argsort(sorted_slots)  # inverse permutation
+    slots = topk_ids.argsort(dim=1, stable=True) + torch.arange(
+        num_tokens, device=topk_ids.device)[:, None] * top_k  # [num_tokens, top_k]
+    rows = expert_out[row_of_slot[slots]]  # [num_tokens, top_k, hidden_size]
+    out = rows[:, 0]
+    for k in range(1, top_k):
+        out = out + rows[:, k]
+    return out.contiguous()
 
 
 class FusedMoE(nn.Module):
