@@ -9,6 +9,8 @@ chunked prefill with a small ``max_num_batched_tokens``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -79,6 +81,20 @@ def test_logits_match_transformers_paged_mixed_schedule(moe, backend):
     for s, ids in seqs.items():
         torch.testing.assert_close(ours[s], hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4,
                                    msg=f"{variant} sequence {s}")
+
+
+def test_bfloat16_close_to_transformers(moe):
+    variant, path, hf_model = moe
+    config = read_hf_config(path)
+    model = get_model_class(config.architecture)(config, torch.bfloat16)
+    model.load_weights(iter_safetensors_weights(path))
+    assert model.model.layers[0].mlp.experts.w13_weight.dtype == torch.bfloat16
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    seqs = random_seqs({"A": 9, "B": 13, "C": 7}, vocab=VOCAB)
+    ours = run_schedule(model, seqs, MIXED)
+    for s, ids in seqs.items():
+        ref = hf_logits(hf_bf16, ids)
+        assert (ours[s] - ref).abs().max() < 0.1 * ref.abs().max(), (variant, s)
 
 
 def test_config_and_layers(moe):
