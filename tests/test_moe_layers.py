@@ -121,3 +121,33 @@ def test_fused_moe_weight_loader_and_errors():
         moe.weight_loader(moe.w2_weight, w2[0], (0, "w4"))
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..8"):
         SparseMoeBlock(H, E, 9, I, "silu", True)
+
+
+def test_moe_config_fields_and_errors():
+    from llmserve.config import ModelConfig
+    from llmserve.models import get_model_class
+
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1)
+    mixtral = ModelConfig.from_hf_config(dict(base, architectures=["MixtralForCausalLM"],
+                                              model_type="mixtral", num_local_experts=4,
+                                              num_experts_per_tok=2))
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == \
+        (4, 24, True)
+    qwen = ModelConfig.from_hf_config(dict(
+        base, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=2,
+        mlp_only_layers=[3]))
+    assert qwen.attention_bias and not qwen.norm_topk_prob  # qkv_bias defaults to true
+    assert [qwen.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in 1\.\.num_experts \(4\)"):
+        ModelConfig.from_hf_config(dict(base, model_type="mixtral", num_local_experts=4,
+                                        num_experts_per_tok=5))
+    dense = ModelConfig(architecture="MixtralForCausalLM", **base)
+    with pytest.raises(ValueError, match="needs num_experts > 0"):
+        get_model_class("MixtralForCausalLM")(dense)
+    sliding = ModelConfig.from_hf_config(dict(
+        base, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+        num_experts_per_tok=2, use_sliding_window=True, sliding_window=8))
+    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+        get_model_class("Qwen2MoeForCausalLM")(sliding)
