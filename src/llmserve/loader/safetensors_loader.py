@@ -22,7 +22,8 @@ from safetensors import safe_open
 from llmserve.config import ModelConfig
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some old checkpoints saved; recomputed by the model.
