@@ -23,7 +23,7 @@ F16_BYTES = 2
 
 
 def write_gguf(path, tensors, arch="llama", hidden=64, n_head=4, n_kv=2, extra=None,
-               vocab_size=32):
+               vocab_size=32, eos_token_id=2):
     """Write a small GGUF: tensors = {name: (array, raw_dtype or None)}."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
@@ -37,7 +37,7 @@ def write_gguf(path, tensors, arch="llama", hidden=64, n_head=4, n_kv=2, extra=N
     if vocab_size:
         w.add_vocab_size(vocab_size)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos_token_id)
     for key, value in (extra or {}).items():
         if isinstance(value, list):
             w.add_array(key, value)

@@ -192,6 +192,29 @@ def read_gguf_header(path: str) -> GGUFHeader:
                       alignment, file_size)
 
 
+def read_gguf_strings(header: GGUFHeader, key: str, ids: list[int]) -> dict[int, str]:
+    """``{index: string}`` for the given indices of string array ``key`` (e.g. a few
+    token ids of ``tokenizer.ggml.tokens``) without decoding the rest; indices past the
+    end are left out."""
+    if key not in header.array_items or not ids:
+        return {}
+    item_type, pos = header.array_items[key]
+    if item_type != _STRING:
+        raise ValueError(f"{header.path!r}: metadata array {key!r} does not hold strings")
+    wanted, last = set(ids), min(max(ids), header.array_lengths[key] - 1)
+    buf = memoryview(np.memmap(header.path, dtype=np.uint8, mode="r"))
+    unpack, out = struct.unpack_from, {}
+    try:
+        for i in range(last + 1):
+            (n,) = unpack("<Q", buf, pos)
+            if i in wanted:
+                out[i] = bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace")
+            pos += 8 + n
+    except struct.error as e:
+        raise ValueError(f"{header.path!r}: corrupt metadata array {key!r} ({e})") from None
+    return out
+
+
 def read_gguf_array(header: GGUFHeader, key: str) -> list[Any] | np.ndarray | None:
     """The full value of array field ``key`` (also the long ones the header leaves out):
     a list of str for string arrays, a 1-D numpy array for numeric ones, ``None`` if the

@@ -32,7 +32,7 @@ def special_token_table(header: GGUFHeader) -> dict[int, tuple[str, int]]:
 
     Empty when the file has no ``tokenizer.ggml.token_type``.
     """
-    from llmserve.loader.gguf_loader import read_gguf_array
+    from llmserve.loader.gguf_loader import read_gguf_array, read_gguf_strings
 
     types = read_gguf_array(header, "tokenizer.ggml.token_type")
     if types is None:
@@ -41,10 +41,8 @@ def special_token_table(header: GGUFHeader) -> dict[int, tuple[str, int]]:
     ids = np.flatnonzero((types == TOKEN_TYPE_CONTROL) | (types == TOKEN_TYPE_USER_DEFINED))
     if ids.size == 0:
         return {}
-    tokens = read_gguf_array(header, "tokenizer.ggml.tokens")
-    if tokens is None:
-        return {}
-    return {int(i): (tokens[i], int(types[i])) for i in ids if i < len(tokens)}
+    tokens = read_gguf_strings(header, "tokenizer.ggml.tokens", [int(i) for i in ids])
+    return {i: (text, int(types[i])) for i, text in tokens.items()}
 
 
 def render_one_turn(template: str, bos_token: str = "", eos_token: str = "") -> str:
