@@ -27,8 +27,12 @@ def load_tokenizer(source: ModelSource) -> Any:
     converts the embedded vocabulary (``AutoTokenizer.from_pretrained(dir,
     gguf_file=name)``; ~4-5 s for a 49k vocabulary, most of it ``gguf.GGUFReader``
     parsing the token strings); then the chat template is taken from the
-    ``tokenizer.chat_template`` metadata if transformers did not set it, and
-    ``eos_token`` is made to match ``tokenizer.ggml.eos_token_id``.
+    ``tokenizer.chat_template`` metadata if transformers did not set it,
+    ``eos_token`` is made to match ``tokenizer.ggml.eos_token_id``, and every token the
+    file marks CONTROL (``<|im_end|>``, ``<|repo_name|>``, ``<repo_name>``) is a special
+    added token (matched whole, dropped by ``skip_special_tokens``) and every
+    USER_DEFINED one (``<tool_call>``) a plain added token, whatever the transformers
+    version did (:func:`mark_gguf_special_tokens`).
 
     Raises:
         ValueError: the tokenizer cannot be built (missing files, unsupported type).
@@ -54,12 +58,55 @@ def load_tokenizer(source: ModelSource) -> Any:
     template = meta.get("tokenizer.chat_template")
     if not getattr(tokenizer, "chat_template", None) and template:
         tokenizer.chat_template = template
+    mark_gguf_special_tokens(tokenizer, source.path)
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     if eos_id is not None and tokenizer.eos_token_id != eos_id:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
     if cache_dir is not None:
         _save_tokenizer_cache(tokenizer, cache_dir)
     return tokenizer
+
+
+def mark_gguf_special_tokens(tokenizer: Any, path: str) -> None:
+    """Make the GGUF's CONTROL tokens special added tokens and its USER_DEFINED tokens
+    plain added tokens of ``tokenizer`` (in place), keeping their ids.
+
+    transformers >= 5 does this itself while converting; older versions left most
+    control tokens as plain vocabulary entries, so ``<|repo_name|>`` was split into
+    pieces when encoding and kept by ``skip_special_tokens``. A token whose spelling in
+    the tokenizer differs from the file's (a llama.cpp mislabel that transformers
+    skips, e.g. a control token outside a byte-level alphabet) is left alone.
+    """
+    from tokenizers import AddedToken
+
+    from llmserve.loader.gguf_loader import read_gguf_header
+    from llmserve.loader.gguf_vocab import TOKEN_TYPE_CONTROL, special_token_table
+
+    table = special_token_table(read_gguf_header(path))
+    if not table:
+        return
+    ids = sorted(table)
+    spelled = tokenizer.convert_ids_to_tokens(ids)
+    added = tokenizer.added_tokens_decoder
+    special, plain = [], []
+    for tid, text in zip(ids, spelled, strict=True):
+        gguf_text, kind = table[tid]
+        if text != gguf_text:
+            continue
+        have = added.get(tid)
+        if kind == TOKEN_TYPE_CONTROL and (have is None or not have.special):
+            special.append(AddedToken(text, special=True, normalized=False))
+        elif kind != TOKEN_TYPE_CONTROL and have is None:
+            plain.append(AddedToken(text, special=False, normalized=False))
+    if special:
+        try:
+            tokenizer.add_special_tokens({"additional_special_tokens": special},
+                                         replace_extra_special_tokens=False)
+        except TypeError:  # transformers < 5 names the flag differently
+            tokenizer.add_special_tokens({"additional_special_tokens": special},
+                                         replace_additional_special_tokens=False)
+    if plain:
+        tokenizer.add_tokens(plain)
 
 
 def _tokenizer_cache_dir(source: ModelSource) -> str | None:
@@ -76,7 +123,7 @@ def _tokenizer_cache_dir(source: ModelSource) -> str | None:
         st = os.stat(source.path)
     except OSError:
         return None
-    key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|v1"
+    key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|v2"
     return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
