@@ -146,8 +146,10 @@ def test_moe_config_fields_and_errors():
     dense = ModelConfig(architecture="MixtralForCausalLM", **base)
     with pytest.raises(ValueError, match="needs num_experts > 0"):
         get_model_class("MixtralForCausalLM")(dense)
+    # Qwen2-MoE without layer_types: the window covers the even layers below max_window_layers
     sliding = ModelConfig.from_hf_config(dict(
         base, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
-        num_experts_per_tok=2, use_sliding_window=True, sliding_window=8))
-    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
-        get_model_class("Qwen2MoeForCausalLM")(sliding)
+        num_experts_per_tok=2, use_sliding_window=True, sliding_window=8, max_window_layers=3))
+    assert sliding.sliding_window == 8
+    assert sliding.layer_types == ("sliding_attention", "full_attention", "sliding_attention",
+                                   "full_attention")

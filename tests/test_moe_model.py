@@ -28,9 +28,12 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 VARIANTS = {
     # 8 experts, top-2, renormalized; sliding window over every layer, as in Mistral
     "mixtral": ("Mixtral", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=6)),
-    # shared expert with a sigmoid gate; layer 1 dense (mlp_only_layers); q/k/v bias
+    # shared expert with a sigmoid gate; layer 1 dense (mlp_only_layers); q/k/v bias;
+    # a window of 6 on layer 0 only (Qwen2MoeConfig: even layers below max_window_layers)
     "qwen2_moe": ("Qwen2Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+                                   shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                   use_sliding_window=True, sliding_window=6,
+                                   max_window_layers=2)),
     # QK-norm, head_dim != hidden / heads, top-3 of 6, norm_topk_prob
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
                                    head_dim=32, norm_topk_prob=True)),
@@ -74,7 +77,7 @@ def load_ours(path: str, backend: str = "cpu"):
 def test_logits_match_transformers_paged_mixed_schedule(moe, backend):
     variant, path, hf_model = moe
     model = load_ours(path, backend)
-    assert model.model.use_cpu_decode is False  # the Llama-only decode fast path is skipped
+    assert model.model.use_cpu_decode_path is False  # the Llama-only decode fast path is skipped
     seqs = random_seqs({"A": 9, "B": 13, "C": 7, "D": 9}, vocab=VOCAB)
     ours = run_schedule(model, {k: seqs[k] for k in "ABC"}, MIXED)
     ours |= run_schedule(model, {"D": seqs["D"]}, DECODES, block_size=2)
@@ -111,6 +114,7 @@ def test_config_and_layers(moe):
         assert counts.active < counts.total - counts["embeddings"]
     elif variant == "qwen2_moe":
         assert config.attention_bias and config.shared_expert_intermediate_size == 48
+        assert config.layer_types == ("sliding_attention", "full_attention")
         assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoeBlock", "LlamaMLP"]
         assert layers[0].mlp.shared_expert_gate.weight.shape == (1, 64)
     else:

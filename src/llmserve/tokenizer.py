@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llmserve.chat_template import RenderLimits
     from llmserve.loader.source import ModelSource
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -27,8 +28,12 @@ def load_tokenizer(source: ModelSource) -> Any:
     converts the embedded vocabulary (``AutoTokenizer.from_pretrained(dir,
     gguf_file=name)``; ~4-5 s for a 49k vocabulary, most of it ``gguf.GGUFReader``
     parsing the token strings); then the chat template is taken from the
-    ``tokenizer.chat_template`` metadata if transformers did not set it, and
-    ``eos_token`` is made to match ``tokenizer.ggml.eos_token_id``.
+    ``tokenizer.chat_template`` metadata if transformers did not set it,
+    ``eos_token`` is made to match ``tokenizer.ggml.eos_token_id``, and every token the
+    file marks CONTROL (``<|im_end|>``, ``<|repo_name|>``, ``<repo_name>``) is a special
+    added token (matched whole, dropped by ``skip_special_tokens``) and every
+    USER_DEFINED one (``<tool_call>``) a plain added token, whatever the transformers
+    version did (:func:`mark_gguf_special_tokens`).
 
     Raises:
         ValueError: the tokenizer cannot be built (missing files, unsupported type).
@@ -54,12 +59,55 @@ def load_tokenizer(source: ModelSource) -> Any:
     template = meta.get("tokenizer.chat_template")
     if not getattr(tokenizer, "chat_template", None) and template:
         tokenizer.chat_template = template
+    mark_gguf_special_tokens(tokenizer, source.path)
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     if eos_id is not None and tokenizer.eos_token_id != eos_id:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
     if cache_dir is not None:
         _save_tokenizer_cache(tokenizer, cache_dir)
     return tokenizer
+
+
+def mark_gguf_special_tokens(tokenizer: Any, path: str) -> None:
+    """Make the GGUF's CONTROL tokens special added tokens and its USER_DEFINED tokens
+    plain added tokens of ``tokenizer`` (in place), keeping their ids.
+
+    transformers >= 5 does this itself while converting; older versions left most
+    control tokens as plain vocabulary entries, so ``<|repo_name|>`` was split into
+    pieces when encoding and kept by ``skip_special_tokens``. A token whose spelling in
+    the tokenizer differs from the file's (a llama.cpp mislabel that transformers
+    skips, e.g. a control token outside a byte-level alphabet) is left alone.
+    """
+    from tokenizers import AddedToken
+
+    from llmserve.loader.gguf_loader import read_gguf_header
+    from llmserve.loader.gguf_vocab import TOKEN_TYPE_CONTROL, special_token_table
+
+    table = special_token_table(read_gguf_header(path))
+    if not table:
+        return
+    ids = sorted(table)
+    spelled = tokenizer.convert_ids_to_tokens(ids)
+    added = tokenizer.added_tokens_decoder
+    special, plain = [], []
+    for tid, text in zip(ids, spelled, strict=True):
+        gguf_text, kind = table[tid]
+        if text != gguf_text:
+            continue
+        have = added.get(tid)
+        if kind == TOKEN_TYPE_CONTROL and (have is None or not have.special):
+            special.append(AddedToken(text, special=True, normalized=False))
+        elif kind != TOKEN_TYPE_CONTROL and have is None:
+            plain.append(AddedToken(text, special=False, normalized=False))
+    if special:
+        try:
+            tokenizer.add_special_tokens({"additional_special_tokens": special},
+                                         replace_extra_special_tokens=False)
+        except TypeError:  # transformers < 5 names the flag differently
+            tokenizer.add_special_tokens({"additional_special_tokens": special},
+                                         replace_additional_special_tokens=False)
+    if plain:
+        tokenizer.add_tokens(plain)
 
 
 def _tokenizer_cache_dir(source: ModelSource) -> str | None:
@@ -76,7 +124,7 @@ def _tokenizer_cache_dir(source: ModelSource) -> str | None:
         st = os.stat(source.path)
     except OSError:
         return None
-    key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|v1"
+    key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|v2"
     return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
@@ -139,31 +187,46 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None,
+                        chat_template: str | None = None,
+                        limits: RenderLimits | None = None,
                         **template_kwargs: Any) -> list[int]:
     """Render ``messages`` with the tokenizer's Jinja chat template and tokenize.
 
-    The rendered text already holds the template's special tokens, so it is encoded
-    with ``add_special_tokens=False`` (as ``transformers`` does).
+    The template runs in a bounded sandbox (:mod:`llmserve.chat_template`: jinja's
+    immutable sandbox plus limits on time and size). The rendered text already holds
+    the template's special tokens, so it is encoded with ``add_special_tokens=False``
+    (as ``transformers`` does).
+
+    Args:
+        chat_template: a template to use instead of the tokenizer's (the server passes
+            one only under ``--trust-request-chat-template``).
+        limits: time and size limits of the render (default :class:`RenderLimits`).
+        template_kwargs: extra template variables (``chat_template_kwargs``), JSON
+            values only; ``continue_final_message=True`` continues the last message.
 
     Returns:
         Prompt token ids.
 
     Raises:
-        ValueError: invalid messages (see :func:`validate_messages`), a tokenizer
-            without a chat template, or an error raised by the template itself.
+        ValueError: invalid messages (see :func:`validate_messages`) or template
+            variables, a tokenizer without a chat template, or
+            :class:`~llmserve.chat_template.ChatTemplateError` for a template that
+            fails, is refused by the sandbox or passes its limits.
     """
-    msgs = validate_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt "
-                         "to the completions API instead")
-    from jinja2 import TemplateError
+    from llmserve.chat_template import plain_value, render_chat_template, select_template
 
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-            **template_kwargs)
-    except TemplateError as e:
-        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    msgs = plain_value(validate_messages(messages), "messages")
+    source = chat_template if chat_template is not None else select_template(
+        getattr(tokenizer, "chat_template", None), bool(tools))
+    continue_final = template_kwargs.pop("continue_final_message", False)
+    variables = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+                 if isinstance(v, str)}
+    variables.update(plain_value(template_kwargs, "chat_template_kwargs"))
+    text = render_chat_template(
+        source, msgs, add_generation_prompt=add_generation_prompt,
+        continue_final_message=bool(continue_final),
+        tools=plain_value(tools, "tools") if tools is not None else None,
+        template_vars=variables, limits=limits)
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)
 
 

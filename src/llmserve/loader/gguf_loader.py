@@ -14,32 +14,43 @@ becomes the Hugging Face ``[out_features, in_features]``.
 
 The header is parsed here instead of with ``gguf.GGUFReader`` because that
 reader builds a numpy view per tokenizer string (~3 s for a 49k vocabulary);
-large arrays are skipped, not materialized. Dequantization uses
-``gguf.quants.dequantize`` (llama.cpp's reference formulas in numpy). With a
-quantization config, tensors of the types it runs natively come out as raw blocks
+large arrays are skipped, not materialized. Every tensor type the ``gguf`` package
+can dequantize loads (:mod:`llmserve.loader.gguf_types`, llama.cpp's reference formulas).
+With a quantization config, tensors of the types it runs natively come out as raw blocks
 (:class:`~llmserve.layers.quantization.gguf_blocks.GGUFQuantizedTensor`) instead.
+
+Before any weight is read, the tensor table is checked against the file and the model
+config (:func:`check_gguf_tensors`): a truncated file, overlapping or misaligned tensor
+data, a row that is not a whole number of blocks, or a tensor whose shape disagrees with
+the metadata is a ValueError naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quant_shape_to_byte_shape
+from gguf.quants import quant_shape_to_byte_shape
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization.base import QuantizationConfig
 from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
+from llmserve.loader.gguf_checks import check_gguf_shapes, check_tensor_data
+from llmserve.loader.gguf_types import (
+    LOADABLE_GGUF_TYPES,
+    dequantize,
+    ggml_type_name,
+)
+from llmserve.loader.gguf_vocab import chat_template_end_of_turn
 
-_Q = GGMLQuantizationType
-SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = LOADABLE_GGUF_TYPES
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",  # llama.cpp also stores Mistral as "llama"
     "qwen2": "Qwen2ForCausalLM",
@@ -77,13 +88,18 @@ class GGUFTensorInfo:
 @dataclass
 class GGUFHeader:
     """Parsed header: ``metadata`` (large arrays omitted), ``array_lengths`` of every
-    array field, and the tensor table in file order."""
+    array field, the tensor table in file order, ``array_items`` (key -> (item value
+    type, file offset of the first item), for :func:`read_gguf_array`), ``alignment``
+    and ``file_size`` in bytes."""
 
     path: str
     version: int
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: list[GGUFTensorInfo]
+    array_items: dict[str, tuple[int, int]] = field(default_factory=dict)
+    alignment: int = 32
+    file_size: int = 0
 
 
 class _Cursor:
@@ -123,6 +139,9 @@ def read_gguf_header(path: str) -> GGUFHeader:
     Raises:
         ValueError: not a GGUF file, unsupported version (v1, big-endian) or a corrupt header.
     """
+    file_size = os.path.getsize(path)
+    if file_size < 24:  # magic, version, two counts
+        raise ValueError(f"{path!r} is not a GGUF file (only {file_size} bytes)")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(mm))
     try:
@@ -136,6 +155,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
         n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
         metadata: dict[str, Any] = {}
         array_lengths: dict[str, int] = {}
+        array_items: dict[str, tuple[int, int]] = {}
         for _ in range(n_kv):
             key, vtype = cur.string(), cur.unpack("<I")
             if vtype != _ARRAY:
@@ -143,6 +163,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
                 continue
             item_type, count = cur.unpack("<I"), cur.unpack("<Q")
             array_lengths[key] = count
+            array_items[key] = (item_type, cur.pos)
             if count <= MAX_METADATA_ARRAY_LEN:
                 metadata[key] = [cur.value(item_type) for _ in range(count)]
             elif item_type == _STRING:
@@ -156,12 +177,68 @@ def read_gguf_header(path: str) -> GGUFHeader:
             name, n_dims = cur.string(), cur.unpack("<I")
             ne = [cur.unpack("<Q") for _ in range(n_dims)]
             infos.append((name, tuple(reversed(ne)), cur.unpack("<I"), cur.unpack("<Q")))
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment < 1:
+            raise ValueError(f"{path!r}: general.alignment must be a positive integer, got "
+                             f"{alignment!r}")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
     except struct.error as e:
         raise ValueError(f"{path!r}: truncated or corrupt GGUF header ({e})") from None
+    if cur.pos > file_size:
+        raise ValueError(f"{path!r}: truncated GGUF header (it runs past the end of the "
+                         f"{file_size}-byte file)")
     tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
-    return GGUFHeader(path, version, metadata, array_lengths, tensors)
+    return GGUFHeader(path, version, metadata, array_lengths, tensors, array_items,
+                      alignment, file_size)
+
+
+def read_gguf_strings(header: GGUFHeader, key: str, ids: list[int]) -> dict[int, str]:
+    """``{index: string}`` for the given indices of string array ``key`` (e.g. a few
+    token ids of ``tokenizer.ggml.tokens``) without decoding the rest; indices past the
+    end are left out."""
+    if key not in header.array_items or not ids:
+        return {}
+    item_type, pos = header.array_items[key]
+    if item_type != _STRING:
+        raise ValueError(f"{header.path!r}: metadata array {key!r} does not hold strings")
+    wanted, last = set(ids), min(max(ids), header.array_lengths[key] - 1)
+    buf = memoryview(np.memmap(header.path, dtype=np.uint8, mode="r"))
+    unpack, out = struct.unpack_from, {}
+    try:
+        for i in range(last + 1):
+            (n,) = unpack("<Q", buf, pos)
+            if i in wanted:
+                out[i] = bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace")
+            pos += 8 + n
+    except struct.error as e:
+        raise ValueError(f"{header.path!r}: corrupt metadata array {key!r} ({e})") from None
+    return out
+
+
+def read_gguf_array(header: GGUFHeader, key: str) -> list[Any] | np.ndarray | None:
+    """The full value of array field ``key`` (also the long ones the header leaves out):
+    a list of str for string arrays, a 1-D numpy array for numeric ones, ``None`` if the
+    file has no such key.
+
+    Raises:
+        ValueError: a nested array or a corrupt field.
+    """
+    if key not in header.array_items:
+        return None
+    item_type, pos = header.array_items[key]
+    count = header.array_lengths[key]
+    mm = np.memmap(header.path, dtype=np.uint8, mode="r")
+    if item_type in _SCALAR_FMT and item_type != 7:
+        dtype = np.dtype(_SCALAR_FMT[item_type])
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=pos).copy()
+    cur = _Cursor(memoryview(mm))
+    cur.pos = pos
+    try:
+        if item_type == _STRING:
+            return [cur.string() for _ in range(count)]
+        return [cur.value(item_type) for _ in range(count)]
+    except (struct.error, ValueError) as e:
+        raise ValueError(f"{header.path!r}: corrupt metadata array {key!r} ({e})") from None
 
 
 def _architecture(meta: dict[str, Any], path: str) -> str:
@@ -229,18 +306,24 @@ def read_gguf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     -> rope_theta, ``attention.layer_norm_rms_epsilon`` -> rms_norm_eps,
     ``context_length`` -> max_position_embeddings, ``vocab_size`` (else the length of
     ``tokenizer.ggml.tokens``), tied embeddings = no ``output.weight`` tensor,
-    attention_bias = a ``blk.0.attn_q.bias`` tensor exists.
+    attention_bias = a ``blk.0.attn_q.bias`` tensor exists, eos_token_ids = the
+    ``tokenizer.ggml.{eos,eot,eom}_token_id`` present plus the token that ends an
+    assistant turn in ``tokenizer.chat_template`` (e.g. ``<|im_end|>``, ``<|eot_id|>``;
+    :func:`~llmserve.loader.gguf_vocab.chat_template_end_of_turn`).
 
     Returns:
         ``(config, metadata)``; ``metadata`` maps every key to its value except arrays
         longer than :data:`MAX_METADATA_ARRAY_LEN` (tokenizer tokens, scores, merges).
 
     Raises:
-        ValueError: unsupported architecture, MoE model, or a corrupt/unsupported file.
+        ValueError: unsupported architecture, MoE model, a corrupt/unsupported file, or
+            tensors that disagree with the file size or the metadata (see
+            :func:`check_tensor_data` and :func:`check_gguf_shapes`).
     """
     header = read_gguf_header(path)
     meta = header.metadata
     arch = _architecture(meta, path)
+    check_tensor_data(header)
     names = {t.name for t in header.tensors}
 
     def get(key: str, default: Any = None) -> Any:
@@ -249,6 +332,9 @@ def read_gguf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     vocab_size = get("vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens", 0)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
+    end_of_turn = chat_template_end_of_turn(header)
+    if end_of_turn is not None:
+        eos.append(end_of_turn)
     num_heads = get("attention.head_count")
     try:
         config = ModelConfig(
@@ -270,6 +356,9 @@ def read_gguf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
         )
     except TypeError as e:  # a required key was missing (None)
         raise ValueError(f"{path!r}: GGUF metadata is missing a required {arch}.* key ({e})") from None
+    except ValueError as e:  # a value out of range (ModelConfig.__post_init__)
+        raise ValueError(f"{path!r}: {e}") from None
+    check_gguf_shapes(header, config)
     return config, meta
 
 
@@ -311,7 +400,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _SKIPPED_TENSORS:
         return None
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES \
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES \
             and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the "
@@ -336,22 +425,16 @@ def iter_gguf_weights(path: str, config: ModelConfig,
     Q/K un-permutation moves whole rows of blocks, which is exact) instead.
 
     Raises:
-        ValueError: a tensor of a type outside :data:`SUPPORTED_GGUF_TYPES`, or an unknown
-            tensor name. Types are checked for every tensor before the first is yielded.
+        ValueError: a tensor of a type outside :data:`SUPPORTED_GGUF_TYPES`, an unknown
+            tensor name, or tensor sizes that disagree with the file or ``config``. All
+            are checked for every tensor before the first is yielded.
     """
     header = read_gguf_header(path)
     arch = _architecture(header.metadata, path)
-    supported = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
-    supported_ids = {int(t) for t in SUPPORTED_GGUF_TYPES}
+    check_tensor_data(header)  # every type loadable, sizes agree with the file
     for info in header.tensors:
-        if info.ggml_type not in supported_ids:
-            try:
-                tname = GGMLQuantizationType(info.ggml_type).name
-            except ValueError:
-                tname = f"unknown type id {info.ggml_type}"
-            raise ValueError(f"GGUF tensor {info.name!r} has type {tname}, which is not "
-                             f"supported; supported types: {supported}")
         hf_tensor_name(info.name)
+    check_gguf_shapes(header, config)
     raw_types = quantization.gguf_raw_types if quantization is not None else frozenset()
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for info in header.tensors:
@@ -373,11 +456,5 @@ def iter_gguf_weights(path: str, config: ModelConfig,
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """``{gguf tensor name: ggml type name}`` (e.g. ``"Q4_1"``), for reporting."""
-    out = {}
-    for t in read_gguf_header(path).tensors:
-        try:
-            out[t.name] = GGMLQuantizationType(t.ggml_type).name
-        except ValueError:
-            out[t.name] = f"type_{t.ggml_type}"
-    return out
+    return {t.name: ggml_type_name(t.ggml_type) for t in read_gguf_header(path).tensors}
 

@@ -14,7 +14,7 @@ Input is flattened: all scheduled tokens of all sequences in one dimension
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.layers.activation import get_act_and_mul
+from llmserve.layers.activation import SiluAndMul, get_act_and_mul
 from llmserve.layers.attention import get_attn_backend
 from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
@@ -42,15 +42,23 @@ def _has_o_proj_bias(config: ModelConfig) -> bool:
     return config.attention_bias and not is_qwen2
 
 
+def attention_scale(config: ModelConfig) -> float:
+    """``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
+    scalar = config.query_pre_attn_scalar
+    return (scalar if scalar is not None else config.head_dim) ** -0.5
+
+
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE (the first ``rotary_dim`` dims of each head), paged
+    attention with layer ``layer_idx``'s sliding window, output projection."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend], layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
@@ -59,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=_has_o_proj_bias(config),
                              dtype=dtype)
         self.attn = backend_cls(self.num_heads, self.head_dim, self.num_kv_heads,
-                                self.head_dim ** -0.5)
+                                attention_scale(config), config.layer_sliding_window(layer_idx))
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
@@ -69,7 +77,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(hidden_states).contiguous()  # [T, q_size + 2 * kv_size]
         # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]: query | key | value heads
         heads = qkv.view(num_tokens, -1, self.head_dim)
-        apply_rotary_emb_(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        apply_rotary_emb_(heads[:, :self.num_heads + self.num_kv_heads, :self.rotary_dim],
+                          cos, sin)
         query, key, value = heads.split_with_sizes(self.head_splits, dim=1)
         # [num_tokens, num_heads, head_dim]
         out = self.attn.forward(query, key, value, kv_cache[0], kv_cache[1], attn_metadata)
@@ -92,13 +101,27 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))`` (fused add-norms).
+
+    Subclasses swap parts through ``attention_cls`` / ``mlp_cls`` (e.g. QK-norm
+    attention, a mixture-of-experts MLP); the CPU decode fast path runs only exact
+    Llama layers (see :attr:`LlamaModel.use_cpu_decode_path`).
+    """
+
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend], layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, backend_cls)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = self.attention_cls(config, dtype, backend_cls, layer_idx)
+        self.mlp = self.make_mlp(config, dtype, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def make_mlp(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s MLP: ``mlp_cls(config, dtype)`` (MoE models choose per layer)."""
+        return self.mlp_cls(config, dtype)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
@@ -114,25 +137,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """``make_layer(i)`` builds decoder layer ``i`` (default: :class:`LlamaDecoderLayer`)."""
+    """Embedding, ``num_hidden_layers`` x ``layer_cls``, final norm; one RoPE table."""
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend],
-                 make_layer: Callable[[int], nn.Module] | None = None) -> None:
+                 backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, dtype)
-        if make_layer is None:
-            def make_layer(_: int) -> nn.Module:
-                return LlamaDecoderLayer(config, dtype, backend_cls)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        # the CPU decode fast path runs exactly the ops of these three classes
-        self.use_cpu_decode = all(
-            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-            and type(layer.mlp) is LlamaMLP for layer in self.layers)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_context_len,
+                                          config.rope_theta, config.rope_scaling, dtype,
+                                          config.max_position_embeddings)
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, backend_cls, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # models/cpu_decode.py knows exactly these modules; other layers run their own code
+        self.use_cpu_decode_path = all(
+            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP and type(layer.mlp.act_fn) is SiluAndMul
+            for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
@@ -141,7 +165,7 @@ class LlamaModel(nn.Module):
         residual = None
         # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
         step = (CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
-                if self.use_cpu_decode else None)
+                if self.use_cpu_decode_path else None)
         if step is not None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = decode_layer(layer, step, hidden_states, residual,
@@ -168,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
     Parameters are allocated uninitialised: call :meth:`load_weights`.
     """
 
+    model_cls: type[nn.Module] = LlamaModel
     # fused parameter -> the checkpoint projections it stacks, in shard order
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, list[tuple[str, int | str]]] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
@@ -183,16 +208,13 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        # the runner copies this into CommonAttentionMetadata.sliding_window
-        self.sliding_window = config.sliding_window
-        self.model = LlamaModel(config, dtype, self.attn_backend_cls, self.make_decoder_layer)
+        # the runner copies this into CommonAttentionMetadata.sliding_window; with
+        # per-layer windows each attention layer carries its own and the step has none
+        self.sliding_window = config.sliding_window if config.layer_types is None else None
+        self.model = self.model_cls(config, dtype, self.attn_backend_cls)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, dtype=dtype))
-
-    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        """Decoder layer ``layer_idx``; other architectures override this."""
-        return LlamaDecoderLayer(self.config, self.dtype, self.attn_backend_cls)
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key (or value) cache:
@@ -222,9 +244,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype)."""
+        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype),
+        soft-capped ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is set."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        logits = F.linear(hidden_states, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _checkpoint_name_map(self) -> dict[str, tuple[str, int | str | None]]:
         """Hugging Face weight name -> (our parameter name, shard id)."""

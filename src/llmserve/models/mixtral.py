@@ -10,13 +10,22 @@ attention (``sliding_window``) applies to every layer, as in Mistral.
 
 from __future__ import annotations
 
-from llmserve.models.moe_base import MoEForCausalLM
+from llmserve.models.llama import LlamaModel
+from llmserve.models.moe_base import MoEDecoderLayer, MoEForCausalLM
+
+
+class MixtralDecoderLayer(MoEDecoderLayer):
+    float32_router_weights = True
+    renormalize = True
+
+
+class MixtralModel(LlamaModel):
+    layer_cls = MixtralDecoderLayer
 
 
 class MixtralForCausalLM(MoEForCausalLM):
     """Mixtral causal LM over a paged KV cache (see :class:`MoEForCausalLM`)."""
 
+    model_cls = MixtralModel
     checkpoint_block = "block_sparse_moe"
     expert_names = {"w1": "w1", "w2": "w2", "w3": "w3"}
-    float32_router_weights = True
-    renormalize = True

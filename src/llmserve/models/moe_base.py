@@ -16,7 +16,7 @@ Checkpoint names (Hugging Face, as ``save_pretrained`` writes them) -> ours::
     {block}.shared_expert_gate.weight            -> mlp.shared_expert_gate.weight
 
 with ``{block}`` = ``model.layers.{i}.block_sparse_moe`` (Mixtral) or ``model.layers.{i}.mlp``.
-These models never take the CPU decode fast path (``LlamaModel.use_cpu_decode``).
+These models never take the CPU decode fast path (``LlamaModel.use_cpu_decode_path``).
 """
 
 from __future__ import annotations
@@ -27,72 +27,56 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.layers.attention.backend import AttentionBackend
-from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.moe import SparseMoeBlock
-from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from llmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer (same ``forward``) with a chosen attention and MLP.
+    """A Llama decoder layer whose MLP is a :class:`SparseMoeBlock` in the sparse layers
+    (:meth:`ModelConfig.is_moe_layer`) and a :class:`LlamaMLP` in the others.
 
-    Args:
-        config, dtype, backend_cls: as :class:`LlamaDecoderLayer`.
-        mlp: the layer's MLP (:class:`SparseMoeBlock` or :class:`LlamaMLP`).
-        attn_cls: the attention class (e.g. one with QK-norm).
+    Subclasses set ``attention_cls`` (e.g. QK-norm) and the router's conventions.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend], mlp: nn.Module,
-                 attn_cls: type[LlamaAttention] = LlamaAttention) -> None:
-        nn.Module.__init__(self)  # not LlamaDecoderLayer's: it would build a dense MLP
-        self.self_attn = attn_cls(config, dtype, backend_cls)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+    # Mixtral keeps the router's combine weights in float32 and always renormalizes
+    float32_router_weights: ClassVar[bool] = False
+    renormalize: ClassVar[bool | None] = None  # None: the config's norm_topk_prob
+
+    def make_mlp(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int) -> nn.Module:
+        if not config.is_moe_layer(layer_idx):
+            return LlamaMLP(config, dtype)
+        shared = (LlamaMLP(config, dtype, config.shared_expert_intermediate_size)
+                  if config.shared_expert_intermediate_size else None)
+        renormalize = config.norm_topk_prob if self.renormalize is None else self.renormalize
+        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, config.hidden_act, renormalize,
+                              self.float32_router_weights, shared, dtype)
+
+
+class MoEModel(LlamaModel):
+    layer_cls = MoEDecoderLayer
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """Base of the MoE causal LMs: per-layer MLP choice and expert checkpoint names.
-
-    Subclasses set the class attributes and may override :meth:`make_mlp` /
-    ``attn_cls``.
+    """Base of the MoE causal LMs: arguments as :class:`LlamaForCausalLM`; maps the
+    experts' checkpoint names (see the module docstring).
 
     Raises:
-        ValueError: (construction) a config without experts, or an invalid MoE field.
+        ValueError: a config without experts, or as :class:`LlamaForCausalLM`.
     """
 
+    model_cls = MoEModel
     # checkpoint module name of the sparse block ("block_sparse_moe" for Mixtral)
     checkpoint_block: ClassVar[str] = "mlp"
     # our expert shard -> the checkpoint's projection name
     expert_names: ClassVar[dict[str, str]] = {"w1": "gate_proj", "w2": "down_proj",
                                               "w3": "up_proj"}
-    # Mixtral keeps the router's combine weights in float32 and always renormalizes
-    float32_router_weights: ClassVar[bool] = False
-    renormalize: ClassVar[bool | None] = None  # None: the config's norm_topk_prob
-    attn_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  attn_backend: str = "cpu") -> None:
         if config.num_experts <= 0:
             raise ValueError(f"{type(self).__name__} needs num_experts > 0 in the model config")
         super().__init__(config, dtype, attn_backend)
-
-    def make_mlp(self, layer_idx: int) -> nn.Module:
-        """The MLP of layer ``layer_idx``: sparse per :meth:`ModelConfig.is_moe_layer`."""
-        c = self.config
-        if not c.is_moe_layer(layer_idx):
-            return LlamaMLP(c, self.dtype)
-        shared = (LlamaMLP(c, self.dtype, c.shared_expert_intermediate_size)
-                  if c.shared_expert_intermediate_size else None)
-        return SparseMoeBlock(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                              c.moe_intermediate_size, c.hidden_act,
-                              c.norm_topk_prob if self.renormalize is None else self.renormalize,
-                              self.float32_router_weights, shared, self.dtype)
-
-    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        return MoEDecoderLayer(self.config, self.dtype, self.attn_backend_cls,
-                               self.make_mlp(layer_idx), self.attn_cls)
 
     def _checkpoint_name_map(self) -> dict[str, tuple[str, int | str | None]]:
         """Checkpoint name -> (our parameter, shard id); see the module docstring."""

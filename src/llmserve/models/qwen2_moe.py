@@ -7,30 +7,16 @@ whose sparse layers have ``num_experts`` routed experts of width
 Router (HF ``Qwen2MoeTopKRouter``): softmax in float32, top-k, renormalized only when
 ``norm_topk_prob``, weights cast to the activation dtype. Layer ``i`` is sparse unless
 ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; dense layers are a
-SwiGLU MLP of ``intermediate_size``. Checkpoint names:
-``model.layers.{i}.mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``,
+SwiGLU MLP of ``intermediate_size``. With ``use_sliding_window`` the window covers the
+layers ``layer_types`` names (derived as ``Qwen2MoeConfig`` does when absent).
+Checkpoint names: ``model.layers.{i}.mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``,
 ``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``.
 """
 
 from __future__ import annotations
 
-import torch
-
-from llmserve.config import ModelConfig
 from llmserve.models.moe_base import MoEForCausalLM
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
-    """Qwen2-MoE causal LM over a paged KV cache (see :class:`MoEForCausalLM`).
-
-    Raises:
-        ValueError: ``use_sliding_window`` (Qwen2-MoE slides only some layers, by
-            ``max_window_layers``; not supported), or as :class:`MoEForCausalLM`.
-    """
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 attn_backend: str = "cpu") -> None:
-        if config.sliding_window is not None:
-            raise ValueError("Qwen2-MoE with use_sliding_window is not supported (its window "
-                             "covers only some layers); set use_sliding_window to false")
-        super().__init__(config, dtype, attn_backend)
+    """Qwen2-MoE causal LM over a paged KV cache (see :class:`MoEForCausalLM`)."""
