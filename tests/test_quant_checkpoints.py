@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.layers.linear import Linear
+from llmserve.layers.linear import Linear, MergedColumnLinear
 from llmserve.layers.quantization import resolve_quantization
 from llmserve.layers.quantization.base import UnquantizedLinearMethod
 from llmserve.layers.quantization.int_group import (
@@ -324,3 +324,37 @@ def test_gptq_8bit_loads_dense():
     layer.weight_loader(layer.weight, t)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
     assert torch.equal(layer.weight, want)
+
+
+def test_w8a8_static_per_tensor_activations():
+    """Static ``input_scale``: fused shards share the largest scale (as vLLM)."""
+    from llmserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    act = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+           "dynamic": False}
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    cfg = CompressedTensorsConfig({"quant_method": "compressed-tensors",
+                                   "format": "int-quantized", "config_groups": {"g": {
+                                       "targets": ["Linear"], "weights": weights,
+                                       "input_activations": act}}}, "config.json")
+    torch.manual_seed(3)
+    k, rows = 64, (32, 16)
+    layer = MergedColumnLinear(k, list(rows))
+    shards = []
+    for i, (n, s_x) in enumerate(zip(rows, (0.02, 0.03), strict=True)):
+        t = cfg.read_module(f"m{i}", {
+            "weight": torch.randint(-128, 128, (n, k), dtype=torch.int8),
+            "weight_scale": (torch.rand(n, 1) / 100).bfloat16(),
+            "input_scale": torch.tensor([s_x], dtype=torch.bfloat16)})
+        shards.append(t)
+        layer.weight_loader(layer.weight, t, i)
+    assert isinstance(layer.quant_method, W8A8LinearMethod)
+    x = torch.randn(4, k)
+    s_x = float(torch.tensor(0.03, dtype=torch.bfloat16))
+    w = torch.cat([t.dequantize() for t in shards])
+    want = torch.round(x / s_x).clamp(-128, 127) * s_x @ w.t()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"m0\.input_scale must hold one value"):
+        cfg.read_module("m0", {"weight": torch.zeros(4, k, dtype=torch.int8),
+                               "weight_scale": torch.ones(4, 1),
+                               "input_scale": torch.ones(2)})
