@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization.base import QuantizedTensor
+from llmserve.layers.quantization.int_group import CheckpointQuantizationConfig
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -104,7 +105,7 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_checkpoint_quantization(model_dir: str):  # noqa: ANN201
+def read_checkpoint_quantization(model_dir: str) -> CheckpointQuantizationConfig | None:
     """The checkpoint's own quantization (``quantization_config`` in ``config.json``) or None.
 
     Returns:

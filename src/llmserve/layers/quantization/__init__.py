@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # this module stays importable without torch (CLI flags)
     import torch
 
     from llmserve.layers.quantization.base import QuantizationConfig
+    from llmserve.layers.quantization.int_group import CheckpointQuantizationConfig
 
 __all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "checkpoint_quantization_config",
            "get_quantization_config", "resolve_quantization"]
@@ -46,7 +47,7 @@ QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hy
                                          *CHECKPOINT_METHODS)
 
 
-def checkpoint_quantization_config(qc: object, source: str):  # noqa: ANN201
+def checkpoint_quantization_config(qc: object, source: str) -> CheckpointQuantizationConfig:
     """The :class:`~llmserve.layers.quantization.int_group.CheckpointQuantizationConfig`
     for a ``quantization_config`` dict read from ``source`` (a config.json path).
 

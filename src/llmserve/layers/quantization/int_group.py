@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -194,7 +195,8 @@ class CheckpointLinearMethod(LinearMethodBase):
         self.pending: list[tuple[int, QuantizedTensor]] = []
         self.dense_rows: list[tuple[int, int]] = list(layer.loaded_weight_rows)
 
-    def pack(self, shards: list[QuantizedTensor], dtype: torch.dtype):  # noqa: ANN201
+    def pack(self, shards: list[QuantizedTensor], dtype: torch.dtype) -> Any:
+        """The kernel object for the row-ordered ``shards``, or None (stay dense)."""
         raise NotImplementedError
 
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantizedTensor,
