@@ -94,10 +94,11 @@ class InputCheck(abc.ABC):
     """A content check. Subclasses set ``name`` and implement :meth:`check`."""
 
     name: ClassVar[str] = ""
+    default_action: ClassVar[str] = "block"  # when the policy entry gives no ``action``
     window: int = 64  # characters held back by the default :meth:`scan`
 
     def __init__(self, config: CheckConfig | None = None):
-        self.config = config or CheckConfig()
+        self.config = config or CheckConfig(action=self.default_action)
 
     @abc.abstractmethod
     def check(self, text: str) -> list[Verdict]:
@@ -133,7 +134,8 @@ def register_check(cls: type[InputCheck]) -> type[InputCheck]:
 def build_check(spec: dict) -> InputCheck:
     """Build a check from a policy entry ``{"check": NAME, "action": ..., ...}``.
 
-    Keys: ``check`` (registered name), ``action``, ``actions`` (per category),
+    Keys: ``check`` (registered name), ``action`` (default: the check's
+    ``default_action``, ``mask`` for ``pii``, ``block`` otherwise), ``actions`` (per category),
     ``categories`` (filter); any other key goes to ``options``.
 
     Raises:
@@ -154,6 +156,7 @@ def build_check(spec: dict) -> InputCheck:
     actions = spec.pop("actions", {}) or {}
     if not isinstance(actions, dict):
         raise ValueError(f"safety check {name!r}: 'actions' must be a mapping")
-    cfg = CheckConfig(action=spec.pop("action", "block"), actions=actions, categories=cats,
+    cfg = CheckConfig(action=spec.pop("action", CHECKS[name].default_action), actions=actions,
+                      categories=cats,
                       options=spec)
     return CHECKS[name](cfg)

@@ -57,10 +57,20 @@ def load_yaml_text(text: str, where: str) -> dict:
     return data
 
 
+# ``\b`` spelled with lookarounds: `regex` evaluates ``\b`` at the end of a truncated
+# string as plain False (no partial match), while a lookahead there stays partial.
+_WORD_BOUNDARY = r"(?:(?<!\w)(?=\w)|(?<=\w)(?!\w))"
+
+
 def compile_pattern(src: str, where: str, ignore_case: bool = False):
+    """Compile a data-file pattern (``\b`` rewritten so partial matching sees it).
+
+    Raises:
+        ValueError: the regex does not compile (names ``where``).
+    """
     flags = regex.V0 | (regex.IGNORECASE if ignore_case else 0)
     try:
-        return regex.compile(src, flags)
+        return regex.compile(regex.sub(r"(?<!\\)\\b", lambda _: _WORD_BOUNDARY, src), flags)
     except regex.error as e:
         raise ValueError(f"safety pattern {where}: bad regex {src!r}: {e}") from None
 

@@ -46,9 +46,10 @@ class PIICheck(PatternCheck):
     """Finds PII; with ``action: mask`` the pipeline replaces each span by ``[LABEL]``."""
 
     name = "pii"
+    default_action = "mask"
 
     def __init__(self, config: CheckConfig | None = None):
-        super().__init__(config or CheckConfig(action="mask"))
+        super().__init__(config)
         for c in self.config.categories or []:
             if c.split(".", 1)[-1] not in PII_TYPES:
                 raise ValueError(f"pii check: unknown PII type {c!r}; known: {PII_TYPES}")
