@@ -121,6 +121,7 @@ def _swap(conn, a: int, b: int) -> None:
 @pytest.mark.parametrize("tamper,seq,reason", [
     ("edit_text", 17, "edited"), ("edit_column", 5, "edited"), ("delete", 23, "deleted"),
     ("delete_first", 1, "deleted"), ("swap", 10, "reordered"), ("truncate", 50, "truncated"),
+    ("insert_past_head", 51, "inserted"),
 ])
 def test_tampering_is_named(filled, capsys, tamper, seq, reason):
     url, path = filled
@@ -140,6 +141,15 @@ def test_tampering_is_named(filled, capsys, tamper, seq, reason):
         _swap(conn, 10, 30)
     elif tamper == "truncate":
         conn.execute("DELETE FROM audit_log WHERE seq = 50")
+    elif tamper == "insert_past_head":  # a well-formed forged row chained onto seq 50
+        h50, rec = conn.execute("SELECT hash, record FROM audit_log WHERE seq = 50").fetchone()
+        body = dict(json.loads(rec), seq=51, response="forged")
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        conn.execute("INSERT INTO audit_log (seq, prev_hash, hash, record, time, key_id, team, "
+                     "model, endpoint, status) VALUES (51, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     (h50, hashlib.sha256((h50 + canon).encode()).hexdigest(), canon,
+                      *[body[k] for k in ("time", "key_id", "team", "model", "endpoint",
+                                          "status")]))
     conn.commit()
     conn.close()
     res = AuditLog(url).verify()
@@ -165,6 +175,10 @@ def test_cli_exit_codes_in_a_real_process(filled):
     assert bad.returncode == 1 and "record seq 8" in bad.stderr
     wrong = subprocess.run(cmd[:-1] + ["mysql://x"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "unsupported --audit-db URL" in wrong.stderr
+    missing = subprocess.run(cmd[:-1] + [url + ".typo"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "no audit database" in missing.stderr
+    assert not os.path.exists(path + ".typo")
 
 
 def test_export_jsonl_verifies_and_detects_edits(filled, tmp_path, capsys):

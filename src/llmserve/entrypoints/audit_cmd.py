@@ -38,15 +38,27 @@ def _run_verify(args) -> int:
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read {args.jsonl}: {e}") from None
     else:
+        _require_existing(args.audit_db)
         with AuditLog(args.audit_db) as log:
             res = log.verify()
     print(res.message, file=sys.stdout if res.ok else sys.stderr)
     return 0 if res.ok else 1
 
 
+def _require_existing(url: str) -> None:
+    """verify/export never create a database: a mistyped SQLite path is an error."""
+    import os
+
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if path and path != ":memory:" and not os.path.exists(path):
+            raise ValueError(f"no audit database at {path}")
+
+
 def _run_export(args) -> int:
     from llmserve.gateway.audit import AuditLog
 
+    _require_existing(args.audit_db)
     with AuditLog(args.audit_db) as log:
         n = log.export(sys.stdout if args.out == "-" else args.out)
     print(f"exported {n} records", file=sys.stderr)

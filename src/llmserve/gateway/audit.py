@@ -85,7 +85,8 @@ class VerifyResult:
 
     ``ok`` is False when the chain is broken; ``bad_seq`` then names the first
     record that was edited, deleted (the first missing seq) or moved, and
-    ``reason`` is one of ``edited``, ``deleted``, ``reordered``, ``truncated``.
+    ``reason`` is one of ``edited``, ``deleted``, ``reordered``, ``truncated``,
+    ``inserted`` (rows past the head row).
     """
 
     ok: bool
@@ -129,8 +130,14 @@ def verify_rows(rows: Iterable[AuditRow], head: tuple[int, str] | None = None) -
                                f"column {col!r} differs from the hashed record")
         expected_prev, expected_seq, count = row.hash, expected_seq + 1, count + 1
     if head is not None and (head[0] != count or head[1] != expected_prev):
-        return _broken(count, expected_prev, count + 1, "truncated",
-                       f"the head says seq {head[0]} but the chain ends at seq {count}")
+        if head[0] > count:
+            return _broken(count, expected_prev, count + 1, "truncated",
+                           f"the head says seq {head[0]} but the chain ends at seq {count}")
+        if head[0] < count:
+            return _broken(count, expected_prev, head[0] + 1, "inserted",
+                           f"the head says seq {head[0]} but the chain goes on to seq {count}")
+        return _broken(count, expected_prev, count, "edited",
+                       "its hash differs from the one in the head row")
     return VerifyResult(True, count, expected_prev, message=f"OK: {count} records, head "
                         f"{expected_prev}")
 
