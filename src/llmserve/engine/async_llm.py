@@ -14,7 +14,14 @@ the only code that touches it::
 Outputs are DELTA (each carries only the new text, tokens and logprobs); a stream
 merges deltas that piled up while its consumer was busy. A consumer that stops
 iterating (client disconnect -> generator closed or cancelled) aborts its request,
-which frees its KV blocks at once. Validation errors (bad prompt, prompt too long)
+which frees its KV blocks at once.
+
+Admission: every request id is *admitted* from the moment :meth:`AsyncLLM.add_requests`
+accepts it (synchronously, under one lock, before any ``await``) until it leaves the
+engine: its final output is published, the engine rejected it, it was aborted, or a
+failed step or shutdown ended it. ``num_admitted`` is that one count, so a caller that
+passes ``max_num_admitted`` gets an exact bound on running + waiting + not-yet-queued
+requests, whatever the concurrency. Validation errors (bad prompt, prompt too long)
 come back from :meth:`AsyncLLM.add_request` as ``ValueError`` with the engine's
 message, before any output. An exception inside a step is logged, fails the
 requests in flight with :class:`EngineStepError`, and the loop goes on.
@@ -52,6 +59,27 @@ class EngineStepError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The engine was shut down (or is shutting down); no new requests."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admitting the requests would exceed ``max_num_admitted``; nothing was queued."""
+
+    def __init__(self, num_admitted: int, num_requested: int, limit: int) -> None:
+        super().__init__(f"{num_admitted} requests are admitted (running or waiting); "
+                         f"{num_requested} more would exceed the limit of {limit}")
+        self.num_admitted, self.num_requested, self.limit = num_admitted, num_requested, limit
+
+
+@dataclasses.dataclass
+class NewRequest:
+    """One request for :meth:`AsyncLLM.add_requests` (fields as in :meth:`AsyncLLM.add_request`)."""
+
+    request_id: str
+    prompt: PromptType
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+    fork_from: str | None = None
 
 
 def merge_delta(into: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -130,6 +158,7 @@ class AsyncLLM:
         self._commands: list[tuple[str, Any]] = []  # guarded by _cv
         self._stopping = False  # guarded by _cv
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
+        self._admitted: set[str] = set()  # ids accepted and not yet ended; _streams_lock
         self._streams_lock = threading.Lock()
         self._stats = EngineStatsSnapshot()
         self._max_num_seqs = engine.config.scheduler_config.max_num_seqs
@@ -151,6 +180,14 @@ class AsyncLLM:
     tokenizer = property(lambda self: self.engine.tokenizer)
     max_model_len = property(lambda self: self.engine.max_model_len)
     is_running = property(lambda self: self._thread.is_alive() and not self._stopping)
+    max_num_seqs = property(lambda self: self._max_num_seqs)
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests accepted by :meth:`add_requests` that have not left the engine yet
+        (queued for the engine thread, waiting or running)."""
+        with self._streams_lock:
+            return len(self._admitted)
 
     def get_stats(self) -> EngineStatsSnapshot:
         """The latest snapshot; ``num_waiting_reqs`` includes the adds not yet taken by the
@@ -183,28 +220,63 @@ class AsyncLLM:
                 than ``max_model_len`` or the KV cache, bad token ids, duplicate id).
             EngineShutdownError: after :meth:`shutdown`.
         """
+        streams = await self.add_requests([NewRequest(request_id, prompt, sampling_params,
+                                                      priority, arrival_time, fork_from)])
+        return streams[0]
+
+    async def add_requests(self, requests: Sequence[NewRequest],
+                           max_num_admitted: int | None = None) -> list[RequestStream]:
+        """Admit several requests at once (all or none) and queue them; returns their
+        streams, in order, once the engine accepted every one.
+
+        The admission check and the registration happen before the first ``await``,
+        under one lock: with ``max_num_admitted`` the requests are admitted only if
+        ``num_admitted + len(requests) <= max_num_admitted``.
+
+        Raises:
+            EngineOverloadedError: the limit would be exceeded (nothing was queued).
+            ValueError: a duplicate id, or the engine's validation message for one of
+                them (the others are then aborted).
+            EngineShutdownError: after :meth:`shutdown`.
+        """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
         with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        accepted: asyncio.Future[None] = loop.create_future()
-        arrival = time.time() if arrival_time is None else arrival_time
+            in_use = [rid for rid in ids if rid in self._admitted or rid in self._streams]
+            if in_use:
+                raise ValueError(f"request_id {in_use[0]!r} is already in use")
+            if max_num_admitted is not None \
+                    and len(self._admitted) + len(ids) > max_num_admitted:
+                raise EngineOverloadedError(len(self._admitted), len(ids), max_num_admitted)
+            streams = [RequestStream(rid, self, loop) for rid in ids]
+            self._streams.update(zip(ids, streams))
+            self._admitted.update(ids)
+        futures: list[asyncio.Future[None]] = [loop.create_future() for _ in requests]
+        now = time.time()
         with self._cv:
             if self._stopping:
-                self._unregister(request_id)
+                self._release(ids, unregister=True)
                 raise EngineShutdownError("the engine is shutting down")
-            self._commands.append(("add", (request_id, prompt, sampling_params, priority,
-                                           arrival, accepted, fork_from)))
-            self._num_pending_adds += 1
+            for r, fut in zip(requests, futures):
+                arrival = now if r.arrival_time is None else r.arrival_time
+                self._commands.append(("add", (r.request_id, r.prompt, r.sampling_params,
+                                               r.priority, arrival, fut, r.fork_from)))
+            self._num_pending_adds += len(requests)
             self._cv.notify()
         try:
-            await accepted
+            results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
-            stream.abort()
+            for stream in streams:
+                stream.abort()
             raise
-        return stream
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream in streams:
+                stream.abort()  # no-op for the rejected ones: the engine never had them
+            raise errors[0]
+        return streams
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -261,6 +333,14 @@ class AsyncLLM:
     def _unregister(self, request_id: str) -> RequestStream | None:
         with self._streams_lock:
             return self._streams.pop(request_id, None)
+
+    def _release(self, request_ids: Sequence[str], unregister: bool = False) -> None:
+        """These requests left the engine (or never entered it): no longer admitted."""
+        with self._streams_lock:
+            self._admitted.difference_update(request_ids)
+            if unregister:
+                for rid in request_ids:
+                    self._streams.pop(rid, None)
 
     def _run(self) -> None:
         """The engine thread: wait for work, apply commands, step, publish."""
@@ -325,12 +405,13 @@ class AsyncLLM:
         with self._cv:
             self._num_pending_adds -= 1
         if error is not None:
-            self._unregister(request_id)
+            self._release([request_id], unregister=True)
         try:
             accepted.get_loop().call_soon_threadsafe(_resolve, accepted, error)
         except RuntimeError:  # the consumer's event loop is closed
             if error is None:
                 self.engine.abort_request(request_id)
+                self._release([request_id], unregister=True)
 
     def _abort_all(self, outputs: list[RequestOutput], error: BaseException,
                    as_error: bool) -> None:
@@ -346,6 +427,8 @@ class AsyncLLM:
             logger.exception("aborting the requests in flight failed")
         outputs.extend(aborted)
         with self._streams_lock:
+            self._admitted.difference_update(ids)
+            self._admitted.difference_update(o.request_id for o in aborted if o.finished)
             has_output = {o.request_id for o in aborted} if not as_error else set()
             failed = [s for rid, s in self._streams.items() if rid not in has_output]
             for s in failed:
@@ -357,6 +440,8 @@ class AsyncLLM:
         items = []
         with self._streams_lock:
             for out in outputs:
+                if out.finished:  # it left the engine: no longer admitted
+                    self._admitted.discard(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
