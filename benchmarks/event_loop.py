@@ -134,7 +134,8 @@ def bursts(url: str, n: int, size: int) -> list[tuple[int, int]]:
         out.append(asyncio.run(burst()))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # let the aborts land
-            m = httpx.get(url + "/metrics", timeout=30).text
+            m = httpx.get(url + "/metrics", timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"}).text
             if re.search(r"num_requests_running\{[^}]*\} 0\.0", m) and \
                     re.search(r"num_requests_waiting\{[^}]*\} 0\.0", m):
                 break

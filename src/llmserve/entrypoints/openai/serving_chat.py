@@ -92,6 +92,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"{req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_capacity(req.n)
         prompt_ids = await self.run_tokenizer(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = (req.max_completion_tokens if req.max_completion_tokens is not None

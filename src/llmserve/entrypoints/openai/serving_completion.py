@@ -113,6 +113,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which are not "
                               "supported yet; drop one of them", "echo")
+        single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+        self.check_capacity(req.n * (1 if single else max(len(req.prompt), 1)))
         prompts = await self.run_tokenizer(self._prompts, req.prompt)
         for p in prompts:
             p.cache_salt = req.cache_salt

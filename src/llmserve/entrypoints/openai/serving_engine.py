@@ -169,6 +169,21 @@ class OpenAIServing:
                             f"{', '.join(self.served_model_names)}",
                        "invalid_request_error", "model", "model_not_found")
 
+    def check_capacity(self, num_seqs: int) -> None:
+        """A cheap early refusal, before the prompt is tokenized: 503 (``Retry-After``)
+        when ``num_seqs`` more engine requests cannot be admitted now. Admission itself
+        is decided, exactly, by :meth:`start`."""
+        limit = self.max_num_admitted
+        if limit is not None and num_seqs <= limit \
+                and self.engine.num_admitted + num_seqs > limit:  # more than limit: a 400
+            raise self._overloaded(self.engine.num_admitted)
+
+    def _overloaded(self, num_admitted: int) -> APIError:
+        return service_unavailable(
+            f"the server is overloaded: {num_admitted} requests are running or waiting "
+            f"(--max-num-seqs {self.engine.max_num_seqs} + --max-waiting-requests "
+            f"{self.max_waiting_requests}); retry later", retry_after=RETRY_AFTER_S)
+
     async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the tokenizer executor, so that a large input
         (megabytes to tokenize, render or decode) never blocks the event loop."""
@@ -255,11 +270,7 @@ class OpenAIServing:
         try:
             return await self.engine.add_requests(jobs, max_num_admitted=limit)
         except EngineOverloadedError as e:
-            raise service_unavailable(
-                f"the server is overloaded: {e.num_admitted} requests are running or "
-                f"waiting (--max-num-seqs {self.engine.max_num_seqs} + "
-                f"--max-waiting-requests {self.max_waiting_requests}); retry later",
-                retry_after=RETRY_AFTER_S) from None
+            raise self._overloaded(e.num_admitted) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
         except EngineShutdownError as e:
