@@ -178,3 +178,42 @@ def test_abort_all_ends_streams_with_abort_outputs(async_llm):
 
     asyncio.run(run())
     assert _wait_idle(async_llm).num_running_reqs == 0
+
+
+def test_admission_counts_until_each_request_leaves_the_engine(async_llm):
+    """``add_requests`` admits all or none against ``max_num_admitted``; ``num_admitted``
+    drops when a request finishes, is aborted (consumer gone) or is rejected."""
+    from llmserve.engine.async_llm import EngineOverloadedError, NewRequest
+
+    def wait_admitted(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while async_llm.num_admitted != n:
+            assert time.monotonic() < deadline, async_llm.num_admitted
+            time.sleep(0.02)
+
+    long = _greedy(2000, ignore_eos=True)
+
+    async def run():
+        streams = await async_llm.add_requests(
+            [NewRequest(f"adm-{i}", PROMPT, long) for i in range(3)], max_num_admitted=4)
+        assert async_llm.num_admitted == 3
+        with pytest.raises(EngineOverloadedError) as e:
+            await async_llm.add_requests([NewRequest(f"adm-x{i}", PROMPT, long)
+                                          for i in range(2)], max_num_admitted=4)
+        assert (e.value.num_admitted, e.value.num_requested, e.value.limit) == (3, 2, 4)
+        assert async_llm.num_admitted == 3  # nothing of the refused pair was admitted
+        with pytest.raises(ValueError):  # one bad prompt: none of the pair stays
+            await async_llm.add_requests([NewRequest("adm-ok", PROMPT, long),
+                                          NewRequest("adm-bad", "", long)], max_num_admitted=5)
+        streams[0].abort()  # a consumer that hangs up
+        await asyncio.to_thread(wait_admitted, 2)
+        short = await async_llm.add_request("adm-short", PROMPT, _greedy(2))
+        async for _ in short:
+            pass
+        await asyncio.to_thread(wait_admitted, 2)  # finished: released
+        for s in streams[1:]:
+            s.abort()
+
+    asyncio.run(run())
+    wait_admitted(0)
+    assert _wait_idle(async_llm).num_running_reqs == 0

@@ -1,4 +1,5 @@
-"""Server flags that need their own process: ``--api-key`` (401), a full waiting
+"""Server flags that need their own process: ``--api-key`` (401 everywhere but
+``/health``, and ``/metrics`` with ``--allow-unauthenticated-metrics``), a full waiting
 queue (503 with ``--max-num-seqs 2 --max-waiting-requests 1``), and a graceful
 SIGTERM (requests in flight finish, the rest are aborted after
 ``--shutdown-timeout``, exit code 0).
@@ -33,7 +34,7 @@ LONG = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature":
 def server():
     server = start_server("--api-key", KEY, "--max-num-seqs", "2", "--max-waiting-requests",
                           "1", "--shutdown-timeout", "15", "--served-model-name", MODEL,
-                          "other-name")
+                          "other-name", "--allow-unauthenticated-metrics")
     yield server
     stop_server(server)
 
@@ -43,13 +44,21 @@ def _idle(m):
             and m["llmserve:num_requests_waiting"] == 0)
 
 
-def test_api_key_required_on_v1_only(server):
+def test_api_key_required_everywhere_but_health_and_metrics(server):
     body = {"prompt": PROMPT, "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
+    for method, path, payload in [("POST", "/tokenize", {"prompt": PROMPT}),
+                                  ("POST", "/detokenize", {"tokens": [1, 2]}),
+                                  ("GET", "/v1/models", None), ("GET", "/version", None)]:
+        r = httpx.request(method, server.url + path, json=payload)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.request(method, server.url + path, json=payload,
+                             headers=AUTH).status_code == 200, path
     assert httpx.get(server.url + "/health").status_code == 200
+    assert "llmserve:num_requests_running" in httpx.get(server.url + "/metrics").text
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model="other-name", prompt=PROMPT, max_tokens=2).model \
         == "other-name"

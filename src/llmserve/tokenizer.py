@@ -256,6 +256,18 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool,
         spaces_between_special_tokens=spaces_between_special_tokens)
 
 
+def decode_ids(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode(token_ids)``, through the Rust ``decode_batch`` (which
+    releases the GIL, so a million-token decode on a worker thread does not stall the
+    event loop) when the result is the same: a fast tokenizer without
+    ``clean_up_tokenization_spaces``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode_batch([list(token_ids)],
+                                    skip_special_tokens=skip_special_tokens)[0]
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Streaming detokenization and stop-string matching for one request.
 
@@ -270,7 +282,10 @@ class IncrementalDetokenizer:
         UTF-8 character split over byte-level tokens: wait for the next token)
 
     Decoding a small window with left context keeps SentencePiece leading spaces and
-    byte-level characters right while costing O(1) per token. For byte-level BPE the
+    byte-level characters right while costing O(1) per token. A prompt that ends inside
+    a character (its text ends in U+FFFD) leaves ``prefix_text`` ending in U+FFFD: the
+    output then starts where ``prefix_text`` and ``new_text`` first differ, so the
+    character that the first output tokens complete is emitted whole. For byte-level BPE the
     text equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` (without
     ``clean_up_tokenization_spaces``); for SentencePiece the first output token keeps
     its leading space (as in vLLM). With fast tokenizers ``spaces_between_special_tokens``
@@ -315,8 +330,19 @@ class IncrementalDetokenizer:
     def _decode_next(self) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""  # nothing new yet, or a UTF-8 character still incomplete
+        if new_text.endswith("\ufffd"):
+            return ""  # a UTF-8 character still incomplete: wait for the next token
+        if prefix_text.endswith("\ufffd"):
+            # the prompt ended inside a character (offsets only ever move to complete
+            # text, so only the prompt's end can be incomplete): that character starts
+            # where the two texts part
+            start = _common_prefix_length(prefix_text, new_text)
+            if len(new_text) <= start:
+                return ""
+            self.read_offset = len(self.token_ids)  # the window keeps its clean start
+            return new_text[start:]
+        if len(new_text) <= len(prefix_text):
+            return ""  # nothing new yet
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return new_text[len(prefix_text):]
 
@@ -381,3 +407,11 @@ class IncrementalDetokenizer:
             self._last_output_text_offset = length
             return self._text[last:length]
         return ""
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

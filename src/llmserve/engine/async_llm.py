@@ -14,7 +14,14 @@ the only code that touches it::
 Outputs are DELTA (each carries only the new text, tokens and logprobs); a stream
 merges deltas that piled up while its consumer was busy. A consumer that stops
 iterating (client disconnect -> generator closed or cancelled) aborts its request,
-which frees its KV blocks at once. Validation errors (bad prompt, prompt too long)
+which frees its KV blocks at once.
+
+Admission: every request id is *admitted* from the moment :meth:`AsyncLLM.add_requests`
+accepts it (synchronously, under one lock, before any ``await``) until it leaves the
+engine: its final output is published, the engine rejected it, it was aborted, or a
+failed step or shutdown ended it. ``num_admitted`` is that one count, so a caller that
+passes ``max_num_admitted`` gets an exact bound on running + waiting + not-yet-queued
+requests, whatever the concurrency. Validation errors (bad prompt, prompt too long)
 come back from :meth:`AsyncLLM.add_request` as ``ValueError`` with the engine's
 message, before any output. An exception inside a step is logged, fails the
 requests in flight with :class:`EngineStepError`, and the loop goes on.
@@ -37,81 +44,24 @@ from typing import Any
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.engine.output_processor import RequestOutputKind
+from llmserve.engine.request_stream import (
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineStepError,
+    NewRequest,
+    RequestStream,
+    merge_delta,
+)
 from llmserve.metrics.stats import EngineStatsSnapshot, IterationStats, StatLogger
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineOverloadedError", "EngineShutdownError", "EngineStepError",
+           "NewRequest", "RequestStream", "merge_delta"]
+
 logger = logging.getLogger("llmserve.async_llm")
 
 IDLE_STEP_BACKOFF_S = 0.005  # pause when requests exist but a step could schedule none
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised; the requests in flight were aborted."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine was shut down (or is shutting down); no new requests."""
-
-
-def merge_delta(into: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold DELTA output ``new`` into ``into`` (same request): texts, token ids and
-    logprobs are concatenated; finish state, metrics and ITLs come from ``new``."""
-    a, b = into.outputs[0], new.outputs[0]
-    a.text += b.text
-    a.token_ids = list(a.token_ids) + list(b.token_ids)
-    if b.logprobs is not None:
-        a.logprobs = (list(a.logprobs) if a.logprobs is not None else []) + list(b.logprobs)
-    a.cumulative_logprob = b.cumulative_logprob
-    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
-    into.finished, into.metrics, into.itl = new.finished, new.metrics, new.itl
-    into.num_cached_tokens = max(into.num_cached_tokens, new.num_cached_tokens)
-    return into
-
-
-class RequestStream:
-    """The outputs of one request, in order; an async iterator of DELTA
-    :class:`RequestOutput` that stops after the final one (``finished=True``).
-
-    Raises (from ``__anext__``):
-        EngineStepError / EngineShutdownError: the engine failed or stopped the request.
-    """
-
-    def __init__(self, request_id: str, owner: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on self.loop
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if isinstance(nxt, BaseException):
-                item = nxt
-                break
-            item = merge_delta(item, nxt)
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Abort the request in the engine (frees its KV blocks); no-op once finished."""
-        if not self.finished:
-            self.finished = True
-            self._owner._submit_abort([self.request_id])
 
 
 class AsyncLLM:
@@ -130,6 +80,7 @@ class AsyncLLM:
         self._commands: list[tuple[str, Any]] = []  # guarded by _cv
         self._stopping = False  # guarded by _cv
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
+        self._admitted: set[str] = set()  # ids accepted and not yet ended; _streams_lock
         self._streams_lock = threading.Lock()
         self._stats = EngineStatsSnapshot()
         self._max_num_seqs = engine.config.scheduler_config.max_num_seqs
@@ -151,6 +102,14 @@ class AsyncLLM:
     tokenizer = property(lambda self: self.engine.tokenizer)
     max_model_len = property(lambda self: self.engine.max_model_len)
     is_running = property(lambda self: self._thread.is_alive() and not self._stopping)
+    max_num_seqs = property(lambda self: self._max_num_seqs)
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests accepted by :meth:`add_requests` that have not left the engine yet
+        (queued for the engine thread, waiting or running)."""
+        with self._streams_lock:
+            return len(self._admitted)
 
     def get_stats(self) -> EngineStatsSnapshot:
         """The latest snapshot; ``num_waiting_reqs`` includes the adds not yet taken by the
@@ -183,28 +142,63 @@ class AsyncLLM:
                 than ``max_model_len`` or the KV cache, bad token ids, duplicate id).
             EngineShutdownError: after :meth:`shutdown`.
         """
+        streams = await self.add_requests([NewRequest(request_id, prompt, sampling_params,
+                                                      priority, arrival_time, fork_from)])
+        return streams[0]
+
+    async def add_requests(self, requests: Sequence[NewRequest],
+                           max_num_admitted: int | None = None) -> list[RequestStream]:
+        """Admit several requests at once (all or none) and queue them; returns their
+        streams, in order, once the engine accepted every one.
+
+        The admission check and the registration happen before the first ``await``,
+        under one lock: with ``max_num_admitted`` the requests are admitted only if
+        ``num_admitted + len(requests) <= max_num_admitted``.
+
+        Raises:
+            EngineOverloadedError: the limit would be exceeded (nothing was queued).
+            ValueError: a duplicate id, or the engine's validation message for one of
+                them (the others are then aborted).
+            EngineShutdownError: after :meth:`shutdown`.
+        """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
         with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        accepted: asyncio.Future[None] = loop.create_future()
-        arrival = time.time() if arrival_time is None else arrival_time
+            in_use = [rid for rid in ids if rid in self._admitted or rid in self._streams]
+            if in_use:
+                raise ValueError(f"request_id {in_use[0]!r} is already in use")
+            if max_num_admitted is not None \
+                    and len(self._admitted) + len(ids) > max_num_admitted:
+                raise EngineOverloadedError(len(self._admitted), len(ids), max_num_admitted)
+            streams = [RequestStream(rid, self, loop) for rid in ids]
+            self._streams.update(zip(ids, streams))
+            self._admitted.update(ids)
+        futures: list[asyncio.Future[None]] = [loop.create_future() for _ in requests]
+        now = time.time()
         with self._cv:
             if self._stopping:
-                self._unregister(request_id)
+                self._release(ids, unregister=True)
                 raise EngineShutdownError("the engine is shutting down")
-            self._commands.append(("add", (request_id, prompt, sampling_params, priority,
-                                           arrival, accepted, fork_from)))
-            self._num_pending_adds += 1
+            for r, fut in zip(requests, futures):
+                arrival = now if r.arrival_time is None else r.arrival_time
+                self._commands.append(("add", (r.request_id, r.prompt, r.sampling_params,
+                                               r.priority, arrival, fut, r.fork_from)))
+            self._num_pending_adds += len(requests)
             self._cv.notify()
         try:
-            await accepted
+            results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
-            stream.abort()
+            for stream in streams:
+                stream.abort()
             raise
-        return stream
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream in streams:
+                stream.abort()  # no-op for the rejected ones: the engine never had them
+            raise errors[0]
+        return streams
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -261,6 +255,14 @@ class AsyncLLM:
     def _unregister(self, request_id: str) -> RequestStream | None:
         with self._streams_lock:
             return self._streams.pop(request_id, None)
+
+    def _release(self, request_ids: Sequence[str], unregister: bool = False) -> None:
+        """These requests left the engine (or never entered it): no longer admitted."""
+        with self._streams_lock:
+            self._admitted.difference_update(request_ids)
+            if unregister:
+                for rid in request_ids:
+                    self._streams.pop(rid, None)
 
     def _run(self) -> None:
         """The engine thread: wait for work, apply commands, step, publish."""
@@ -325,12 +327,13 @@ class AsyncLLM:
         with self._cv:
             self._num_pending_adds -= 1
         if error is not None:
-            self._unregister(request_id)
+            self._release([request_id], unregister=True)
         try:
             accepted.get_loop().call_soon_threadsafe(_resolve, accepted, error)
         except RuntimeError:  # the consumer's event loop is closed
             if error is None:
                 self.engine.abort_request(request_id)
+                self._release([request_id], unregister=True)
 
     def _abort_all(self, outputs: list[RequestOutput], error: BaseException,
                    as_error: bool) -> None:
@@ -346,6 +349,8 @@ class AsyncLLM:
             logger.exception("aborting the requests in flight failed")
         outputs.extend(aborted)
         with self._streams_lock:
+            self._admitted.difference_update(ids)
+            self._admitted.difference_update(o.request_id for o in aborted if o.finished)
             has_output = {o.request_id for o in aborted} if not as_error else set()
             failed = [s for rid, s in self._streams.items() if rid not in has_output]
             for s in failed:
@@ -357,6 +362,8 @@ class AsyncLLM:
         items = []
         with self._streams_lock:
             for out in outputs:
+                if out.finished:  # it left the engine: no longer admitted
+                    self._admitted.discard(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue

@@ -15,8 +15,11 @@ route                    method  answer
 
 The model loads in a background thread started by the lifespan, so the port answers
 at once: until the engine is ready every model route returns 503. With an API key,
-``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise), as in vLLM. Every
-error uses OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+every route but ``/health`` (and ``/metrics`` with ``public_metrics``) needs
+``Authorization: Bearer <key>`` (401 otherwise, before the body is read). A request
+body over ``max_request_body_bytes`` is a 413 before it is parsed. Tokenization,
+chat-template rendering and prompt decoding run on one tokenizer thread, off the event
+loop. Every error uses OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +40,10 @@ from starlette.responses import JSONResponse, Response
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.openai.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    RequestBodyLimitMiddleware,
+)
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +58,7 @@ from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
 from llmserve.metrics.prometheus import PrometheusStatLogger
-from llmserve.tokenizer import encode_text
+from llmserve.tokenizer import decode_ids, encode_text
 
 logger = logging.getLogger("llmserve.server")
 
@@ -68,9 +76,12 @@ class ServerState:
         self.ready = False
         self.load_error: str | None = None
         self.exit_code = 0
+        # one thread: HF fast tokenizers are used from one thread here (as in vLLM)
+        self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenizer")
 
     def attach(self, engine: AsyncLLM) -> None:
-        args = (engine, self.served_model_names, self.max_waiting_requests)
+        args = (engine, self.served_model_names, self.max_waiting_requests,
+                self.tokenizer_executor)
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(*args)
         self.engine = engine
@@ -87,13 +98,15 @@ class ServerState:
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``."""
+    """Pure ASGI middleware: every route but ``open_paths`` needs ``Authorization:
+    Bearer <key>``; the 401 goes out before the body is read."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, open_paths: Sequence[str] = ("/health",)) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        if scope["type"] == "http" and scope["path"] not in self.open_paths \
                 and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
@@ -121,7 +134,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -144,11 +157,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               api_key: str | None = None, max_waiting_requests: int | None = None,
               on_load_failure: Callable[[], None] | None = None,
-              on_ready: Callable[[AsyncLLM], None] | None = None) -> FastAPI:
+              on_ready: Callable[[AsyncLLM], None] | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              public_metrics: bool = False) -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
         served_model_names: names accepted as ``model``; the first is reported.
+        api_key: when set, every route but ``/health`` needs it (see ``public_metrics``).
+        max_waiting_requests: admit at most ``max_num_seqs + max_waiting_requests``
+            engine requests; more is a 503 with ``Retry-After`` (None: no limit).
+        max_request_body_bytes: a larger request body is a 413, before it is parsed.
+        public_metrics: with ``api_key``, leave ``/metrics`` open (for a scraper).
         on_load_failure: called (from the loader thread) when loading fails, e.g. to
             stop the server; ``app.state.server.exit_code`` is then 1.
         on_ready: called (from the loader thread) once the engine runs.
@@ -174,11 +194,14 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # added last = outermost: a request without the key is never read
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           open_paths=("/health", "/metrics") if public_metrics else ("/health",))
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -217,32 +240,42 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     async def tokenize(req: TokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)
-        tok = engine.tokenizer
-        if req.messages is not None:
-            ids = state.chat.render(ChatCompletionRequest(
-                messages=req.messages, add_generation_prompt=req.add_generation_prompt))
-        elif req.prompt is not None:
-            try:
-                ids = encode_text(tok, req.prompt, add_special_tokens=req.add_special_tokens)
-            except ValueError as e:
-                raise bad_request(str(e), "prompt") from None
-        else:
+        if req.messages is None and req.prompt is None:
             raise bad_request("send either prompt or messages", "prompt")
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return Response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
-                                         tokens=ids, token_strs=strs).model_dump_json(),
-                        media_type="application/json")
+
+        def run() -> str:  # on the tokenizer thread
+            tok = engine.tokenizer
+            if req.messages is not None:
+                ids = state.chat.render(ChatCompletionRequest(
+                    messages=req.messages, add_generation_prompt=req.add_generation_prompt))
+            else:
+                try:
+                    ids = encode_text(tok, req.prompt,
+                                      add_special_tokens=req.add_special_tokens)
+                except ValueError as e:
+                    raise bad_request(str(e), "prompt") from None
+            strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
+                                    tokens=ids, token_strs=strs).model_dump_json()
+
+        body = await state.chat.run_tokenizer(run)
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)
         vocab = engine.engine.config.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"tokens: {bad[0]} is not a token id in [0, {vocab})", "tokens")
-        text = engine.tokenizer.decode(req.tokens)
-        return Response(DetokenizeResponse(prompt=text).model_dump_json(),
-                        media_type="application/json")
+
+        def run() -> str:  # on the tokenizer thread
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"tokens: {bad[0]} is not a token id in [0, {vocab})",
+                                  "tokens")
+            return DetokenizeResponse(prompt=decode_ids(engine.tokenizer, req.tokens)
+                                      ).model_dump_json()
+
+        body = await state.chat.run_tokenizer(run)
+        return Response(body, media_type="application/json")
 
     return app

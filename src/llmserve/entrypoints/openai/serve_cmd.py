@@ -43,11 +43,18 @@ def register(subparsers) -> None:
                    help="name(s) clients pass as `model` (default: the --model value, or "
                         "smollm2-135m-instruct); the first is reported in responses")
     p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$LLMSERVE_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $LLMSERVE_API_KEY, else no key)")
+    p.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                   help="with --api-key, leave /metrics open (e.g. for a Prometheus "
+                        "scraper without credentials)")
     p.add_argument("--max-waiting-requests", type=_non_negative, default=None,
-                   help="answer 503 while this many requests wait in the queue "
+                   help="admit at most --max-num-seqs + this many requests (each choice "
+                        "of each prompt counts); more is a 503 with Retry-After "
                         "(default: no limit)")
+    p.add_argument("--max-request-body-bytes", type=_body_size, default=None,
+                   help="answer 413 to a larger request body, before reading it (bytes, "
+                        "or a size such as 4MiB; default 16MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that requests in flight may take to finish after SIGTERM "
                         "before they are aborted (default 30)")
@@ -58,6 +65,18 @@ def register(subparsers) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_server)
+
+
+def _body_size(text: str) -> int:
+    from llmserve.utils import parse_size
+
+    try:
+        value = parse_size(text, "--max-request-body-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size >= 1 byte, got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> int:
@@ -118,6 +137,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.entrypoints.openai.api_server import build_app
+    from llmserve.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
     from llmserve.loader.source import DEFAULT_MODEL_NAME
 
     if args.model_tag is not None:
@@ -140,6 +160,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine_args, names, api_key=args.api_key,
                     max_waiting_requests=args.max_waiting_requests,
+                    max_request_body_bytes=(args.max_request_body_bytes
+                                            or DEFAULT_MAX_REQUEST_BODY_BYTES),
+                    public_metrics=args.allow_unauthenticated_metrics,
                     on_load_failure=on_failure, on_ready=on_ready)
     config = uvicorn.Config(app, host=host, port=port, log_level=level,
                             access_log=not args.disable_uvicorn_access_log,

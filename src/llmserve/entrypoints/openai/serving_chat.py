@@ -41,26 +41,29 @@ from llmserve.entrypoints.openai.serving_engine import (
 )
 from llmserve.outputs import SampleLogprobs
 from llmserve.sampling_params import MAX_LOGPROBS
+from llmserve.token_bytes import TokenBytes, token_text
 from llmserve.tokenizer import apply_chat_template
 
 
-def _top(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR),
-            "bytes": list(token.encode("utf-8", errors="replace"))}
+def _top(raw: bytes, logprob: float) -> dict:
+    return {"token": token_text(raw), "logprob": max(logprob, LOGPROB_FLOOR),
+            "bytes": list(raw)}
 
 
-def chat_logprobs(token_ids: list[int], entries: SampleLogprobs,
-                  num_top: int) -> ChatCompletionLogProbs:
-    """OpenAI chat logprobs: per token its text, logprob, UTF-8 bytes and the
-    ``num_top`` most likely alternatives (by rank)."""
+def chat_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: int,
+                  token_bytes: TokenBytes) -> ChatCompletionLogProbs:
+    """OpenAI chat logprobs: per token its text, logprob, raw UTF-8 ``bytes`` and the
+    ``num_top`` most likely alternatives (by rank). A token that holds part of a
+    character has the bytes of that part, and a text with them as ``\\xNN`` escapes
+    (``"\\xf0\\x9f"``), as OpenAI answers."""
     content = []
     for tid, entry in zip(token_ids, entries):
         sampled = entry.get(tid) or next(iter(entry.values()))
-        tops = sorted((e for e in entry.values() if e.rank is not None and e.rank <= num_top),
-                      key=lambda e: e.rank)
+        tops = sorted(((t, e) for t, e in entry.items() if e.rank is not None
+                       and e.rank <= num_top), key=lambda te: te[1].rank)
         content.append(ChatCompletionLogProbsContent(
-            **_top(sampled.decoded_token or "", sampled.logprob),
-            top_logprobs=[TopLogprob(**_top(e.decoded_token or "", e.logprob)) for e in tops]))
+            **_top(token_bytes(tid), sampled.logprob),
+            top_logprobs=[TopLogprob(**_top(token_bytes(t), e.logprob)) for t, e in tops]))
     return ChatCompletionLogProbs(content=content)
 
 
@@ -89,7 +92,8 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"{req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_ids = self.render(req)
+        self.check_capacity(req.n)
+        prompt_ids = await self.run_tokenizer(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                      else req.max_tokens)
@@ -118,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             num_generated += len(c.token_ids)
             logprobs = None
             if num_top is not None and c.logprobs is not None:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.token_bytes)
             choices.append(ChatCompletionResponseChoice(
                 index=i, message=ChatMessage(content=c.text), logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -149,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                     cached = max(cached, out.num_cached_tokens)
                 logprobs = None
                 if num_top is not None and c.logprobs:
-                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.token_bytes)
                 if not c.text and logprobs is None and c.finish_reason is None:
                     continue  # held back (stop-string buffer or an unfinished character)
                 yield chunk([ChatCompletionStreamChoice(

@@ -34,30 +34,44 @@ from llmserve.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from llmserve.outputs import SampleLogprobs
-from llmserve.tokenizer import encode_text
+from llmserve.token_bytes import TokenBytes, incomplete_utf8_suffix_length, token_text
+from llmserve.tokenizer import decode_ids, encode_text
 
 
 def completion_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: int,
-                        offset: int) -> tuple[CompletionLogProbs, int]:
+                        offset: int, token_bytes: TokenBytes, pending: bytes = b""
+                        ) -> tuple[CompletionLogProbs, int, bytes]:
     """Legacy logprobs (OpenAI completions): ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (the sampled token and the ``num_top`` most likely, by text),
     ``text_offset`` (character offset of each token, starting at ``offset``).
 
+    A token that is not whole UTF-8 by itself (part of a character) is written as
+    OpenAI writes it, ``"bytes:\\xf0\\x9f"``; a character split over tokens counts in
+    ``text_offset`` once it is complete. ``pending`` carries the bytes of such an
+    unfinished character from one call (stream chunk) to the next.
+
     Returns:
-        The logprobs object and the offset after the last token.
+        The logprobs object, the offset after the last token, the pending bytes.
     """
+    def text_of(tid: int) -> str:
+        raw = token_bytes(tid)
+        text = token_text(raw)
+        return text if text.encode("utf-8") == raw else "bytes:" + text
+
     lp = CompletionLogProbs()
     for tid, entry in zip(token_ids, entries):
         sampled = entry.get(tid) or next(iter(entry.values()))
-        token = sampled.decoded_token or ""
-        lp.tokens.append(token)
+        lp.tokens.append(text_of(tid))
         lp.token_logprobs.append(max(sampled.logprob, LOGPROB_FLOOR))
         lp.top_logprobs.append({
-            (e.decoded_token or ""): max(e.logprob, LOGPROB_FLOOR)
+            text_of(t): max(e.logprob, LOGPROB_FLOOR)
             for t, e in entry.items() if t == tid or (e.rank is not None and e.rank <= num_top)})
         lp.text_offset.append(offset)
-        offset += len(token)
-    return lp, offset
+        pending += token_bytes(tid)
+        keep = incomplete_utf8_suffix_length(pending)
+        offset += len(pending[:len(pending) - keep].decode("utf-8", errors="replace"))
+        pending = pending[len(pending) - keep:]
+    return lp, offset, pending
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -83,9 +97,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append(PromptInput(list(p)))
         return out
 
-    def _prompt_text(self, prompt: PromptInput) -> str:
+    async def _prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is None:
-            prompt.text = self.tokenizer.decode(prompt.token_ids)
+            prompt.text = await self.run_tokenizer(decode_ids, self.tokenizer, prompt.token_ids)
         return prompt.text
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
@@ -99,7 +113,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which are not "
                               "supported yet; drop one of them", "echo")
-        prompts = self._prompts(req.prompt)
+        single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+        self.check_capacity(req.n * (1 if single else max(len(req.prompt), 1)))
+        prompts = await self.run_tokenizer(self._prompts, req.prompt)
         for p in prompts:
             p.cache_salt = req.cache_salt
         jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), req.max_tokens),
@@ -124,10 +140,11 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, out in enumerate(finals):
             c = out.outputs[0]
             num_generated += len(c.token_ids)
-            prefix = self._prompt_text(prompts[i // req.n]) if req.echo else ""
+            prefix = await self._prompt_text(prompts[i // req.n]) if req.echo else ""
             logprobs = None
             if req.logprobs is not None and c.logprobs is not None:
-                logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                logprobs, _, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0,
+                                                     self.token_bytes)
             choices.append(CompletionResponseChoice(
                 index=i, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason))
@@ -144,6 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = req.n
         echoed = [False] * len(streams)
         offsets = [0] * len(streams)
+        pending = [b""] * len(streams)  # bytes of a character split over tokens
         num_generated = 0
         cached = [0] * len(prompts)
         try:
@@ -155,11 +173,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = c.text
                 if req.echo and not echoed[i]:
                     echoed[i] = True
-                    text = self._prompt_text(prompts[i // n]) + text
+                    text = await self._prompt_text(prompts[i // n]) + text
                 logprobs = None
                 if req.logprobs is not None and c.logprobs:
-                    logprobs, offsets[i] = completion_logprobs(
-                        c.token_ids, c.logprobs, req.logprobs, offsets[i])
+                    logprobs, offsets[i], pending[i] = completion_logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, offsets[i], self.token_bytes,
+                        pending[i])
                 if not text and logprobs is None and c.finish_reason is None:
                     continue  # held back (stop-string buffer or an unfinished character)
                 chunk = CompletionStreamResponse(

@@ -10,10 +10,12 @@ parameters, 401 bad API key, 404 unknown model or route, 503 loading or overload
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,9 @@ from starlette.requests import Request
 
 from llmserve.engine.async_llm import (
     AsyncLLM,
+    EngineOverloadedError,
     EngineShutdownError,
+    NewRequest,
     RequestStream,
     merge_delta,
 )
@@ -34,18 +38,22 @@ from llmserve.entrypoints.openai.protocol import (
 )
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.token_bytes import TokenBytes
 
 MAX_N = 128  # most choices one request may ask for
+RETRY_AFTER_S = 1  # the Retry-After of an "overloaded" 503 (RFC 9110, section 10.2.3)
 
 
 class APIError(Exception):
     """An error to send as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
+        self.headers = headers  # extra response headers, e.g. Retry-After
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
@@ -67,8 +75,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
-def service_unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable_error", None, 503)
+def service_unavailable(message: str, retry_after: int | None = None) -> APIError:
+    """503; ``retry_after`` (seconds) becomes a ``Retry-After`` header."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return APIError(503, message, "service_unavailable_error", None, 503, headers)
 
 
 def sse(payload: str) -> str:
@@ -129,14 +139,23 @@ class OpenAIServing:
     Args:
         engine: the running engine.
         served_model_names: names a request may pass as ``model``; the first is reported.
-        max_waiting_requests: 503 when this many requests already wait (None: no limit).
+        max_waiting_requests: admit at most ``max_num_seqs + max_waiting_requests``
+            engine requests at once (each choice of each prompt is one); more is a 503
+            with ``Retry-After`` (None: no limit).
+        tokenizer_executor: where tokenization, chat-template rendering and prompt
+            decoding run, off the event loop (None: the loop's default executor).
     """
 
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
-                 max_waiting_requests: int | None = None) -> None:
+                 max_waiting_requests: int | None = None,
+                 tokenizer_executor: Executor | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_waiting_requests = max_waiting_requests
+        self.max_num_admitted = (None if max_waiting_requests is None
+                                 else engine.max_num_seqs + max_waiting_requests)
+        self.tokenizer_executor = tokenizer_executor
+        self.token_bytes = TokenBytes(engine.tokenizer)  # logprobs' raw token bytes
 
     @property
     def tokenizer(self) -> Any:
@@ -150,17 +169,26 @@ class OpenAIServing:
                             f"{', '.join(self.served_model_names)}",
                        "invalid_request_error", "model", "model_not_found")
 
-    def check_capacity(self) -> None:
-        """Raises APIError 503 when the waiting queue is full or the engine is down."""
-        if not self.engine.is_running:
-            raise service_unavailable("the engine is not running (shutting down)")
-        limit = self.max_waiting_requests
-        if limit is not None:
-            waiting = self.engine.get_stats().num_waiting_reqs
-            if waiting >= limit:
-                raise service_unavailable(
-                    f"the server is overloaded: {waiting} requests are waiting "
-                    f"(--max-waiting-requests {limit}); retry later")
+    def check_capacity(self, num_seqs: int) -> None:
+        """A cheap early refusal, before the prompt is tokenized: 503 (``Retry-After``)
+        when ``num_seqs`` more engine requests cannot be admitted now. Admission itself
+        is decided, exactly, by :meth:`start`."""
+        limit = self.max_num_admitted
+        if limit is not None and num_seqs <= limit \
+                and self.engine.num_admitted + num_seqs > limit:  # more than limit: a 400
+            raise self._overloaded(self.engine.num_admitted)
+
+    def _overloaded(self, num_admitted: int) -> APIError:
+        return service_unavailable(
+            f"the server is overloaded: {num_admitted} requests are running or waiting "
+            f"(--max-num-seqs {self.engine.max_num_seqs} + --max-waiting-requests "
+            f"{self.max_waiting_requests}); retry later", retry_after=RETRY_AFTER_S)
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the tokenizer executor, so that a large input
+        (megabytes to tokenize, render or decode) never blocks the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_executor, functools.partial(fn, *args, **kwargs))
 
     def check_length(self, prompt_len: int, max_tokens: int | None,
                      field: str = "max_tokens") -> int:
@@ -215,35 +243,38 @@ class OpenAIServing:
 
     async def start(self, base_id: str, prompts: Sequence[tuple[PromptInput, SamplingParams]],
                     n: int, priority: int = 0) -> list[RequestStream]:
-        """Add every (prompt, choice) to the engine at once; streams in choice order
-        (prompt-major: choice ``p * n + i``).
+        """Admit and add every (prompt, choice) to the engine at once, all or none;
+        streams in choice order (prompt-major: choice ``p * n + i``).
 
         Raises:
-            APIError: 400 for the engine's ValueError (nothing is left running),
-                503 when the engine is shutting down.
+            APIError: 400 for the engine's ValueError or a request that needs more
+                sequences than can ever be admitted (nothing is left running); 503 (with
+                ``Retry-After``) when admitting it would exceed ``max_num_seqs +
+                max_waiting_requests``, or when the engine is shutting down.
         """
-        self.check_capacity()
+        if not self.engine.is_running:
+            raise service_unavailable("the engine is not running (shutting down)")
         jobs = []
         for p, (prompt, params) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{p}"
-            jobs += [(sub_id, prompt, sub_params, leader) for sub_id, sub_params, leader in
-                     fan_out(rid, params, n)]
-        results = await asyncio.gather(
-            *(self.engine.add_request(rid, prompt.as_engine_prompt(), params, priority,
-                                      fork_from=leader)
-              for rid, prompt, params, leader in jobs), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if not errors:
-            return list(results)
-        for r in results:
-            if isinstance(r, RequestStream):
-                r.abort()
-        err = errors[0]
-        if isinstance(err, ValueError):
-            raise bad_request(str(err))
-        if isinstance(err, EngineShutdownError):
-            raise service_unavailable(str(err))
-        raise err
+            jobs += [NewRequest(sub_id, prompt.as_engine_prompt(), sub_params, priority,
+                                fork_from=leader)
+                     for sub_id, sub_params, leader in fan_out(rid, params, n)]
+        limit = self.max_num_admitted
+        if limit is not None and len(jobs) > limit:
+            raise bad_request(
+                f"this request needs {len(jobs)} sequences ({len(prompts)} prompts x n={n}) "
+                f"but at most {limit} are admitted at once (--max-num-seqs "
+                f"{self.engine.max_num_seqs} + --max-waiting-requests "
+                f"{self.max_waiting_requests})", "n")
+        try:
+            return await self.engine.add_requests(jobs, max_num_admitted=limit)
+        except EngineOverloadedError as e:
+            raise self._overloaded(e.num_admitted) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except EngineShutdownError as e:
+            raise service_unavailable(str(e)) from None
 
 
 async def iterate_streams(streams: Sequence[RequestStream]
