@@ -141,7 +141,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_context_len,
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_max_position,
                                           config.rope_theta, config.rope_scaling, dtype,
                                           config.max_position_embeddings)
         self.layers = nn.ModuleList(self.layer_cls(config, dtype, backend_cls, i)
