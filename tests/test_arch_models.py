@@ -260,3 +260,51 @@ def _check_longrope_short_factors(served):
     assert llm.engine.runner.model.model.rotary_emb.cos_cache.shape[0] == 32
     assert _greedy_tokens(llm, {"p": ids}) == {"p": ref}
 
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    """A Qwen3 GGUF (llama.cpp names, ``attn_q_norm`` / ``attn_k_norm``, F32) written from
+    the random model loads through the GGUF reader and matches transformers."""
+    import gguf
+
+    from llmserve.loader import ModelSource, iter_weights, load_model_config
+    from llmserve.loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+    hf_model = make_hf_model("qwen3_tied_bias", attention_bias=False)
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(tmp_path / "q3.gguf"), "qwen3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    to_gguf = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: no output.weight
+        if name not in to_gguf:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            short = next(g for g, hf in _LAYER_NAMES.items() if hf == module)
+            to_gguf[name] = f"blk.{layer}.{short}.{kind}"
+        writer.add_tensor(to_gguf[name], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    source = ModelSource("gguf", str(tmp_path / "q3.gguf"), "q3")
+    config = load_model_config(source)
+    assert (config.architecture, config.head_dim, config.tie_word_embeddings) == \
+        ("Qwen3ForCausalLM", c.head_dim, True)
+    model = get_model_class(config.architecture)(config)
+    model.load_weights(iter_weights(source, config))
+    seqs = random_seqs({"A": 9, "B": 13, "C": 7})
+    ours = run_schedule(model, seqs, MIXED)
+    for s, ids in seqs.items():
+        torch.testing.assert_close(ours[s], hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
