@@ -29,6 +29,11 @@ VARIANTS = {
         sliding_window=5, max_window_layers=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 8})),
+    # Qwen2 with use_sliding_window: layers >= max_window_layers slide (the Llama layers:
+    # the CPU decode fast path runs them, each with its own window)
+    "qwen2_max_window_layers": (transformers.Qwen2Config, dict(
+        num_hidden_layers=3, max_position_embeddings=64, use_sliding_window=True,
+        sliding_window=4, max_window_layers=2)),
     "qwen3_tied_bias": (transformers.Qwen3Config, dict(
         num_hidden_layers=2, tie_word_embeddings=True, attention_bias=True,
         max_position_embeddings=64)),
@@ -51,7 +56,7 @@ VARIANTS = {
                          "short_factor": [1.0, 1.3, 1.7, 2.2],
                          "long_factor": [1.5, 3.0, 6.0, 9.0]})),
 }
-ARCH = {transformers.Qwen3Config: "Qwen3ForCausalLM",
+ARCH = {transformers.Qwen2Config: "Qwen2ForCausalLM", transformers.Qwen3Config: "Qwen3ForCausalLM",
         transformers.Gemma3TextConfig: "Gemma3ForCausalLM",
         transformers.Phi3Config: "Phi3ForCausalLM"}
 
