@@ -9,6 +9,8 @@ batched with chunked prefill.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -27,6 +29,11 @@ VARIANTS = {
         sliding_window=5, max_window_layers=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 8})),
+    # Qwen2 with use_sliding_window: layers >= max_window_layers slide (the Llama layers:
+    # the CPU decode fast path runs them, each with its own window)
+    "qwen2_max_window_layers": (transformers.Qwen2Config, dict(
+        num_hidden_layers=3, max_position_embeddings=64, use_sliding_window=True,
+        sliding_window=4, max_window_layers=2)),
     "qwen3_tied_bias": (transformers.Qwen3Config, dict(
         num_hidden_layers=2, tie_word_embeddings=True, attention_bias=True,
         max_position_embeddings=64)),
@@ -38,8 +45,8 @@ VARIANTS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
-    # fused qkv / gate_up, half the head rotates, longrope (sequences here stay below the
-    # original context: short factors; the engine test crosses it), window on every layer
+    # fused qkv / gate_up, half the head rotates, longrope (served up to the original
+    # context here: short factors; the engine test serves 128 tokens: long), window everywhere
     "phi3": (transformers.Phi3Config, dict(
         num_hidden_layers=2, max_position_embeddings=128, original_max_position_embeddings=32,
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
@@ -49,7 +56,7 @@ VARIANTS = {
                          "short_factor": [1.0, 1.3, 1.7, 2.2],
                          "long_factor": [1.5, 3.0, 6.0, 9.0]})),
 }
-ARCH = {transformers.Qwen3Config: "Qwen3ForCausalLM",
+ARCH = {transformers.Qwen2Config: "Qwen2ForCausalLM", transformers.Qwen3Config: "Qwen3ForCausalLM",
         transformers.Gemma3TextConfig: "Gemma3ForCausalLM",
         transformers.Phi3Config: "Phi3ForCausalLM"}
 
@@ -70,16 +77,17 @@ def make_hf_model(variant: str, **overrides):
     return hf_model
 
 
-def our_config(hf_model) -> ModelConfig:
+def our_config(hf_model, max_model_len: int | None = None) -> ModelConfig:
     """Our config parsed from the HF config's own ``config.json`` dict."""
-    return ModelConfig.from_hf_config(hf_model.config.to_dict())
+    config = ModelConfig.from_hf_config(hf_model.config.to_dict())
+    return dataclasses.replace(config, max_model_len=max_model_len)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_transformers_fp32(variant, backend):
     hf_model = make_hf_model(variant)
-    config = our_config(hf_model)
+    config = our_config(hf_model, max_model_len=32)
     model = get_model_class(config.architecture)(config, attn_backend=backend)
     model.load_weights(hf_model.state_dict().items())
     seqs = random_seqs({"A": 9, "B": 13, "C": 7, "D": 9})
@@ -149,10 +157,159 @@ def test_cpu_decode_fast_path_only_for_plain_llama_layers():
                                  "use_cpu_decode_path", False)
     assert flags == {"qwen3": False, "gemma3": False, "phi3": True}
     hf_model = make_hf_model("phi3")
-    config = our_config(hf_model)
+    config = our_config(hf_model, max_model_len=32)
     model = get_model_class(config.architecture)(config)
     model.load_weights(hf_model.state_dict().items())
     seqs = random_seqs({"A": 6, "B": 4, "E": 11}, seed=4)
     ours = run_schedule(model, seqs, BATCHED)
+    for s, ids in seqs.items():
+        torch.testing.assert_close(ours[s], hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- engine, end to end
+NEW_TOKENS = 10
+# the default model's tokenizer (SmolLM2, 49152 tokens) is saved next to the weights; the
+# model uses its first VOCAB tokens (prompt ids taken modulo VOCAB)
+VOCAB = 4096
+NO_SPECIAL = dict(vocab_size=VOCAB, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+ENGINE_VARIANTS = {
+    "qwen3": dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "gemma3": {},
+    # served up to 128 tokens, past the original context (32): longrope's long factors;
+    # the prompts start beyond 32 tokens, where transformers uses them too
+    "phi3": {},
+}
+TEXTS = {
+    "short": "The capital of France is",
+    "medium": "Once upon a time, in a small village at the edge of a dark forest, there "
+              "lived an old clockmaker who",
+    "long": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed "
+            "iteratively.\"\"\"\n    a, b =",
+}
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer(gguf_path):
+    from llmserve.loader import resolve_model
+    from llmserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(gguf_path))
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_VARIANTS))
+def served(request, tmp_path_factory, default_tokenizer):
+    """(our engine on the saved model, its prompts, transformers' greedy tokens)."""
+    from llmserve import LLM
+
+    variant = request.param
+    hf_model = make_hf_model(variant, **NO_SPECIAL, **ENGINE_VARIANTS[variant])
+    model_dir = tmp_path_factory.mktemp(variant)
+    hf_model.save_pretrained(model_dir)
+    default_tokenizer.save_pretrained(model_dir)
+    texts = TEXTS
+    if variant == "phi3":
+        texts = {"a": TEXTS["medium"] + TEXTS["long"], "b": TEXTS["long"] + TEXTS["medium"],
+                 "c": TEXTS["short"] + TEXTS["medium"] + TEXTS["short"]}
+    prompts = {name: [t % VOCAB for t in default_tokenizer.encode(text)]
+               for name, text in texts.items()}
+    hf_model.generation_config.eos_token_id = None
+    ref = {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, do_sample=False)
+            ref[name] = out[0, len(ids):].tolist()
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="16MiB", block_size=4)
+    return variant, llm, prompts, ref, hf_model, model_dir
+
+
+def _greedy_tokens(llm, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    from llmserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params,
+                        use_tqdm=False)
+    return {name: list(o.outputs[0].token_ids) for name, o in zip(prompts, outs)}
+
+
+def test_engine_greedy_matches_transformers_alone_and_batched(served):
+    from tests.conftest import engine_variant
+
+    variant, llm, prompts, ref, _, _ = served
+    assert type(llm.engine.runner.model).__name__ == ARCH[VARIANTS[variant][0]]
+    if variant == "phi3":
+        assert min(len(ids) for ids in prompts.values()) > 32
+    for name, ids in prompts.items():  # alone
+        assert _greedy_tokens(llm, {name: ids}) == {name: ref[name]}, (variant, name)
+    # batched, prompts split into chunks of at most 8 scheduled tokens per step
+    chunked = engine_variant(llm, scheduler={"max_num_batched_tokens": 8})
+    assert _greedy_tokens(chunked, prompts) == ref, variant
+    if variant == "phi3":
+        _check_longrope_short_factors(served)
+
+
+def _check_longrope_short_factors(served):
+    """Phi-3 served with max_model_len = original_max_position_embeddings: short factors,
+    as transformers uses for sequences that fit in it."""
+    from llmserve import LLM
+
+    _, _, prompts, _, hf_model, model_dir = served
+    ids = prompts["a"][:32 - NEW_TOKENS]
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="4MiB", block_size=4,
+              max_model_len=32, max_num_batched_tokens=8)
+    assert llm.engine.runner.model.model.rotary_emb.cos_cache.shape[0] == 32
+    assert _greedy_tokens(llm, {"p": ids}) == {"p": ref}
+
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    """A Qwen3 GGUF (llama.cpp names, ``attn_q_norm`` / ``attn_k_norm``, F32) written from
+    the random model loads through the GGUF reader and matches transformers."""
+    import gguf
+
+    from llmserve.loader import ModelSource, iter_weights, load_model_config
+    from llmserve.loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+    hf_model = make_hf_model("qwen3_tied_bias", attention_bias=False)
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(tmp_path / "q3.gguf"), "qwen3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    to_gguf = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: no output.weight
+        if name not in to_gguf:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            short = next(g for g, hf in _LAYER_NAMES.items() if hf == module)
+            to_gguf[name] = f"blk.{layer}.{short}.{kind}"
+        writer.add_tensor(to_gguf[name], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    source = ModelSource("gguf", str(tmp_path / "q3.gguf"), "q3")
+    config = load_model_config(source)
+    assert (config.architecture, config.head_dim, config.tie_word_embeddings) == \
+        ("Qwen3ForCausalLM", c.head_dim, True)
+    model = get_model_class(config.architecture)(config)
+    model.load_weights(iter_weights(source, config))
+    seqs = random_seqs({"A": 9, "B": 13, "C": 7})
+    ours = run_schedule(model, seqs, MIXED)
     for s, ids in seqs.items():
         torch.testing.assert_close(ours[s], hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)

@@ -40,6 +40,8 @@ class ModelConfig:
     ``norm_topk_prob`` renormalizes the top-k weights (always on for Mixtral). Layer
     ``i`` is sparse unless ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
     (Qwen-MoE; :meth:`is_moe_layer`); dense layers use ``intermediate_size``.
+    ``max_model_len``: the context the engine serves (``EngineArgs`` sets it); it sizes
+    the RoPE table and picks "longrope"'s factor set (None: :attr:`max_context_len`).
     """
 
     architecture: str
@@ -75,6 +77,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -104,7 +107,7 @@ class ModelConfig:
                                  f"per layer ({self.num_hidden_layers}), got {list(types)}")
             object.__setattr__(self, "layer_types", types)
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)
-        if not 0 < self.partial_rotary_factor <= 1 or rotary_dim % 2:
+        if not 0 < self.partial_rotary_factor <= 1 or rotary_dim % 2 or rotary_dim < 2:
             raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1] and give an "
                              f"even rotary width, got {self.partial_rotary_factor!r} "
                              f"(head_dim {self.head_dim})")
@@ -144,6 +147,11 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
             return self.sliding_window
         return None
+
+    @property
+    def rope_max_position(self) -> int:
+        """Rows of the RoPE table: ``max_model_len``, else :attr:`max_context_len`."""
+        return self.max_model_len or self.max_context_len
 
     @property
     def max_context_len(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from llmserve.config import (
     SUPPORTED_DTYPES,
@@ -158,7 +158,7 @@ class EngineArgs:
         """
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        model_max = model_config.max_position_embeddings
+        model_max = model_config.max_context_len  # extended by linear/dynamic/yarn RoPE
         max_model_len = self.max_model_len if self.max_model_len is not None else model_max
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -173,7 +173,7 @@ class EngineArgs:
                   if self.kv_cache_memory is not None else default_kv_cache_memory(device))
         return EngineConfig(
             model=model_name,
-            model_config=model_config,
+            model_config=replace(model_config, max_model_len=max_model_len),
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_mem,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      enable_prefix_caching=self.enable_prefix_caching,

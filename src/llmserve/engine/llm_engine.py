@@ -96,6 +96,7 @@ class LLMEngine:
         source = resolve_model(args.model)
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
+        model_config = config.model_config  # with the served max_model_len
         quant = resolve_quantization(args.quantization, model_kind=source.kind,
                                      dtype=config.dtype, device=config.device,
                                      checkpoint=checkpoint_quantization(source))

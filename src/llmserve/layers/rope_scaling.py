@@ -16,15 +16,18 @@ Semantics and parameter names follow ``transformers.modeling_rope_utils``
 
 ``d`` is the rotated width (``head_dim * partial_rotary_factor``).
 
-Position-dependent types, decided per token, so that batching and chunking never
-change a token's rotation: transformers picks the frequencies of a whole forward
-pass from its largest position (``seq_len = max(position_ids) + 1``). A token at
-position ``p`` here uses those of ``seq_len = p + 1``: "dynamic" rotates it with
-the base of ``max(p + 1, max_position_embeddings)`` and "longrope" with the long
-factors iff ``p >= original_max_position_embeddings``. That is exactly what
-transformers computes while it generates token by token and for every prompt that
-fits in the original context; only a prompt longer than that differs (transformers
-rotates all of it with the frequencies of its full length).
+"longrope" picks one factor set for the whole deployment, as vLLM does: the long
+factors when the table extends past ``original_max_position_embeddings``
+(``max_model_len`` beyond the original context), else the short ones. transformers
+switches per forward pass (``seq_len = max(position_ids) + 1``) and its ``generate``
+recomputes the whole cache at the switch; for sequences of one regime (all within,
+or a prompt already beyond the original context) the two agree.
+
+"dynamic" is decided per token, so that batching and chunking never change a
+token's rotation: a token at position ``p`` uses the NTK base of a
+``max(p + 1, max_position_embeddings)``-token sequence, what transformers computes
+while it generates token by token (it rotates a prompt longer than
+``max_position_embeddings`` with the base of its full length instead).
 """
 
 from __future__ import annotations
@@ -110,9 +113,9 @@ def _yarn(dim: int, base: float, rs: dict[str, Any],
     return inv_freq, float(attention_factor)
 
 
-def _longrope(dim: int, base: float, rs: dict[str, Any], positions: torch.Tensor,
+def _longrope(dim: int, base: float, rs: dict[str, Any], max_position: int,
               max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Per-position inv_freq ``[P, dim / 2]``: short factors below the original context."""
+    """inv_freq ``[dim / 2]``: long factors iff ``max_position`` exceeds the original context."""
     orig = int(_param(rs, "original_max_position_embeddings", "longrope"))
     factors = {}
     for key in ("short_factor", "long_factor"):
@@ -130,8 +133,7 @@ def _longrope(dim: int, base: float, rs: dict[str, Any], positions: torch.Tensor
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     short = 1.0 / (factors["short_factor"] * base ** shape)
     long = 1.0 / (factors["long_factor"] * base ** shape)
-    inv_freq = torch.where((positions >= orig)[:, None], long[None], short[None])
-    return inv_freq, float(attention_factor)
+    return (long if max_position > orig else short), float(attention_factor)
 
 
 def _dynamic(dim: int, base: float, rs: dict[str, Any], positions: torch.Tensor,
@@ -171,7 +173,8 @@ def rope_cos_sin(rotary_dim: int, max_position: int, base: float,
 
     Args:
         rotary_dim: the rotated width of a head (even).
-        max_position: rows of the table (the longest context served).
+        max_position: rows of the table (the longest context served; picks
+            "longrope"'s factor set).
         base: ``rope_theta``.
         rope_scaling: Hugging Face ``rope_scaling`` / ``rope_parameters`` dict, or None.
         max_position_embeddings: the model's ``max_position_embeddings`` (default
@@ -191,8 +194,9 @@ def rope_cos_sin(rotary_dim: int, max_position: int, base: float,
         inv_freq, attention_factor = _yarn(rotary_dim, base, rope_scaling, max_pos_emb)
         inv_freq = inv_freq[None]
     elif rope_type == "longrope":
-        inv_freq, attention_factor = _longrope(rotary_dim, base, rope_scaling, positions,
+        inv_freq, attention_factor = _longrope(rotary_dim, base, rope_scaling, max_position,
                                                max_pos_emb)
+        inv_freq = inv_freq[None]
     elif rope_type == "dynamic":
         inv_freq = _dynamic(rotary_dim, base, rope_scaling, positions, max_pos_emb)
     else:

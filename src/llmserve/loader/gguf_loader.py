@@ -54,6 +54,7 @@ SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = LOADABLE_GGUF_TYPES
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",  # llama.cpp also stores Mistral as "llama"
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",  # + attn_q_norm / attn_k_norm per layer
 }
 # Arrays longer than this (tokenizer vocab, merges, scores) stay out of the metadata dict.
 MAX_METADATA_ARRAY_LEN = 1024
@@ -68,6 +69,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3 QK-norm
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}

@@ -13,9 +13,10 @@ done once per step in :meth:`CpuDecodeStep.build`::
 Numerics are those of the generic path (the same kernels, the same order). It is
 used when every scheduled sequence decodes one token, the kernels are available,
 the activations are float32 or bfloat16 on the CPU and the attention backend is
-``"cpu"``; otherwise :class:`~llmserve.models.llama.LlamaModel` runs its modules. Only
-models whose layers are exactly ``LlamaDecoderLayer(LlamaAttention, LlamaMLP)`` take it
-(``LlamaModel.use_cpu_decode_path``): MoE layers or QK-norm attention never do.
+``"cpu"``, and only for models made of plain Llama layers (``LlamaModel.use_cpu_decode_path``:
+Llama, Mistral, Qwen2, Phi-3; QK-norm, sandwich-norm or MoE layers run their modules);
+otherwise :class:`~llmserve.models.llama.LlamaModel` runs its modules. Each layer uses its
+own sliding window (per-layer windows) and rotates its first ``rotary_dim`` dimensions.
 Measured (docs/benchmarks.md): 2.3 -> 1.1 ms of non-matmul time per batch-1 step.
 """
 

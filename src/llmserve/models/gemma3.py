@@ -77,7 +77,7 @@ class Gemma3Model(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         # sqrt(hidden) rounded to the dtype, as HF casts its embed_scale buffer
         self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=dtype))
-        max_len = config.max_context_len
+        max_len = config.rope_max_position
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, max_len, config.rope_theta,
                                           config.rope_scaling, dtype,
                                           config.max_position_embeddings)

@@ -1,8 +1,13 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama).
 
-RMSNorm, RoPE (RoFormer), grouped-query attention over a paged KV cache
-(PagedAttention), SwiGLU MLP, optional QKV bias, tied or untied embeddings,
-sliding window through the attention metadata. Layout and weight fusion
+RMSNorm, RoPE (RoFormer; partial rotary and the scalings of
+:mod:`llmserve.layers.rope_scaling`), grouped-query attention over a paged KV cache
+(PagedAttention), SwiGLU MLP, optional QKV bias, tied or untied embeddings, a
+model-wide sliding window through the attention metadata or per-layer windows
+(``layer_types``) carried by each attention layer. Other families reuse these
+blocks through ``LlamaForCausalLM.model_cls``, ``LlamaModel.layer_cls`` and
+``LlamaDecoderLayer.attention_cls`` / ``mlp_cls`` (:mod:`qwen3`, :mod:`gemma3`,
+:mod:`phi3`). Layout and weight fusion
 follow vLLM's ``llama.py``; numerics follow Hugging Face ``modeling_llama``.
 
 Input is flattened: all scheduled tokens of all sequences in one dimension
@@ -146,7 +151,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_context_len,
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_max_position,
                                           config.rope_theta, config.rope_scaling, dtype,
                                           config.max_position_embeddings)
         self.layers = nn.ModuleList(self.layer_cls(config, dtype, backend_cls, i)
