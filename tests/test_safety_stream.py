@@ -192,3 +192,31 @@ def test_llm_judge_plumbing_against_real_worker():
                                            or "unparseable" in v.detail) for v in verdicts)
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+def test_a_custom_check_registered_by_name_streams_with_the_default_window():
+    import regex
+
+    from llmserve.gateway.safety import CHECKS, InputCheck, Span, register_check
+
+    @register_check
+    class SecretWord(InputCheck):
+        """Blocks the word 'xyzzy' (a stand-in for a third-party classifier)."""
+
+        name = "secret_word_test"
+        window = 8
+
+        def check(self, text):
+            return [self.verdict("custom.secret", [Span(m.start(), m.end(), "SECRET")])
+                    for m in regex.finditer("xyzzy", text)]
+
+    try:
+        pipe = SafetyPipeline.from_policy({"input": [{"check": "secret_word_test"}],
+                                           "output": [{"check": "secret_word_test"}]})
+        assert pipe.check_input("say xyzzy").blocked.category == "custom.secret"
+        text = "Then the wizard whispered xyzzy and vanished."
+        for deltas in _splits(text, random.Random(2)):
+            out, res = _stream(pipe, deltas, "Then the wizard whispered ")
+            assert out == "Then the wizard whispered " and res.finish_reason == "content_filter"
+    finally:
+        CHECKS.pop("secret_word_test", None)
