@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from llmserve.loader.gguf_loader import GGUFHeader
+    from llmserve.loader.gguf_header import GGUFHeader
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -32,7 +32,7 @@ def special_token_table(header: GGUFHeader) -> dict[int, tuple[str, int]]:
 
     Empty when the file has no ``tokenizer.ggml.token_type``.
     """
-    from llmserve.loader.gguf_loader import read_gguf_array, read_gguf_strings
+    from llmserve.loader.gguf_header import read_gguf_array, read_gguf_strings
 
     types = read_gguf_array(header, "tokenizer.ggml.token_type")
     if types is None:
