@@ -68,6 +68,8 @@ def test_control_tokens_are_special(tmp_path, monkeypatch, transformers_marks, c
     (LLAMA3, "<|endoftext|>", "<|eot_id|>"),   # Llama 3 turns end in <|eot_id|>
     (CHATML, "<|im_end|>", None),              # eos already ends the turn
     ("{{ raise_exception('no') }}", "<|endoftext|>", None),  # a template that fails: eos only
+    ("{% for i in range(60000) %}{% for j in range(60000) %}{% endfor %}{% endfor %}",
+     "<|endoftext|>", None),  # one that would run for hours: stopped by the render limit
 ])
 def test_eos_ids_include_chat_template_end_of_turn(tmp_path, template, eos, end_of_turn):
     path, ids, eos_id = byte_level_gguf(tmp_path / "e.gguf", template, eos)

@@ -210,8 +210,10 @@ def test_config_errors():
     yarn = ModelConfig(**dict(fields, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="'yarn'"):
         LlamaForCausalLM(yarn)
-    with pytest.raises(ValueError, match="'gelu'"):
-        LlamaForCausalLM(ModelConfig(**dict(fields, hidden_act="gelu")))
+    with pytest.raises(ValueError, match="'relu'"):
+        LlamaForCausalLM(ModelConfig(**dict(fields, hidden_act="relu")))
+    with pytest.raises(ValueError, match="'ntk-by-magic'.*longrope"):
+        LlamaForCausalLM(ModelConfig(**dict(fields, rope_scaling={"rope_type": "ntk-by-magic"})))
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         LlamaForCausalLM(config, attn_backend="flash")
     model = LlamaForCausalLM(config)

@@ -152,7 +152,7 @@ def test_resolve_quantization():
     with pytest.raises(ValueError, match="GGUF model"):
         resolve_quantization("gguf-hybrid", model_kind="hf", dtype="bfloat16", device="cpu")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        resolve_quantization("awq", model_kind="gguf", dtype="bfloat16", device="cpu")
+        resolve_quantization("bitsandbytes", model_kind="gguf", dtype="bfloat16", device="cpu")
 
 
 # ---------------------------------------------------------------- a tiny GGUF model

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llmserve.chat_template import RenderLimits
     from llmserve.loader.source import ModelSource
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -186,31 +187,46 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None,
+                        chat_template: str | None = None,
+                        limits: RenderLimits | None = None,
                         **template_kwargs: Any) -> list[int]:
     """Render ``messages`` with the tokenizer's Jinja chat template and tokenize.
 
-    The rendered text already holds the template's special tokens, so it is encoded
-    with ``add_special_tokens=False`` (as ``transformers`` does).
+    The template runs in a bounded sandbox (:mod:`llmserve.chat_template`: jinja's
+    immutable sandbox plus limits on time and size). The rendered text already holds
+    the template's special tokens, so it is encoded with ``add_special_tokens=False``
+    (as ``transformers`` does).
+
+    Args:
+        chat_template: a template to use instead of the tokenizer's (the server passes
+            one only under ``--trust-request-chat-template``).
+        limits: time and size limits of the render (default :class:`RenderLimits`).
+        template_kwargs: extra template variables (``chat_template_kwargs``), JSON
+            values only; ``continue_final_message=True`` continues the last message.
 
     Returns:
         Prompt token ids.
 
     Raises:
-        ValueError: invalid messages (see :func:`validate_messages`), a tokenizer
-            without a chat template, or an error raised by the template itself.
+        ValueError: invalid messages (see :func:`validate_messages`) or template
+            variables, a tokenizer without a chat template, or
+            :class:`~llmserve.chat_template.ChatTemplateError` for a template that
+            fails, is refused by the sandbox or passes its limits.
     """
-    msgs = validate_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt "
-                         "to the completions API instead")
-    from jinja2 import TemplateError
+    from llmserve.chat_template import plain_value, render_chat_template, select_template
 
-    try:
-        text = tokenizer.apply_chat_template(
-            msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-            **template_kwargs)
-    except TemplateError as e:
-        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    msgs = plain_value(validate_messages(messages), "messages")
+    source = chat_template if chat_template is not None else select_template(
+        getattr(tokenizer, "chat_template", None), bool(tools))
+    continue_final = template_kwargs.pop("continue_final_message", False)
+    variables = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+                 if isinstance(v, str)}
+    variables.update(plain_value(template_kwargs, "chat_template_kwargs"))
+    text = render_chat_template(
+        source, msgs, add_generation_prompt=add_generation_prompt,
+        continue_final_message=bool(continue_final),
+        tools=plain_value(tools, "tools") if tools is not None else None,
+        template_vars=variables, limits=limits)
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)
 
 

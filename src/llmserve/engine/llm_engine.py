@@ -15,7 +15,12 @@ from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
 from llmserve.layers.quantization import resolve_quantization
-from llmserve.loader import iter_weights, load_model_config, resolve_model
+from llmserve.loader import (
+    checkpoint_quantization,
+    iter_weights,
+    load_model_config,
+    resolve_model,
+)
 from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
@@ -92,7 +97,8 @@ class LLMEngine:
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
         quant = resolve_quantization(args.quantization, model_kind=source.kind,
-                                     dtype=config.dtype, device=config.device)
+                                     dtype=config.dtype, device=config.device,
+                                     checkpoint=checkpoint_quantization(source))
         if config.seed is not None:
             torch.manual_seed(config.seed)
         tokenizer = load_tokenizer(source)

@@ -24,7 +24,28 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-_ACTIVATIONS = {"silu": SiluAndMul}
+class GeluAndMul(nn.Module):
+    """GeGLU gate (Shazeer 2020): ``gelu(gate) * up`` from the fused ``[gate | up]``.
+
+    ``approximate="tanh"`` is Hugging Face ``gelu_pytorch_tanh`` (Gemma);
+    ``"none"`` the exact erf GELU (``gelu``). Input ``[num_tokens, 2 * intermediate_size]``,
+    output ``[num_tokens, intermediate_size]``.
+    """
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+_ACTIVATIONS = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu": lambda: GeluAndMul("none"),
+}
 
 
 def get_act_and_mul(name: str) -> nn.Module:

@@ -5,64 +5,27 @@ The "rotate_half" (GPT-NeoX) layout pairs dimension ``i`` with ``i + D/2``::
     x = [x1 | x2]            (each [..., head_dim / 2])
     out = [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 
-cos/sin come from a cache ``[max_position, head_dim / 2]`` computed once in
-float32 and indexed by each token's position. Scalings follow
-``transformers.modeling_rope_utils``: ``"linear"`` (position interpolation)
-and ``"llama3"`` (Llama 3.1 frequency smoothing).
+cos/sin come from a cache ``[max_position, rotary_dim / 2]`` computed once in
+float32 and indexed by each token's position. With ``partial_rotary_factor < 1``
+only the first ``rotary_dim`` dimensions of a head rotate (Phi-3/Phi-4-mini,
+``transformers`` ``apply_rotary_pos_emb``); the rest pass through. Scalings
+("linear", "llama3", "yarn", "dynamic", "longrope") are in
+:mod:`llmserve.layers.rope_scaling`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmserve.kernels import get_cpu_kernels
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def _rope_param(rope_scaling: dict[str, Any], key: str, rope_type: str) -> float:
-    try:
-        return float(rope_scaling[key])
-    except KeyError:
-        raise ValueError(f"rope_scaling of type {rope_type!r} needs the field {key!r}") from None
-
-
-def compute_inv_freq(head_dim: int, base: float,
-                     rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` (float32), scaled per ``rope_scaling``.
-
-    Raises:
-        ValueError: for a rope type other than default, "linear" or "llama3"
-            (the message names it), or a missing scaling field.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)
-    rope_type = "default"
-    if rope_scaling:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / _rope_param(rope_scaling, "factor", rope_type)
-    if rope_type == "llama3":
-        factor = _rope_param(rope_scaling, "factor", rope_type)
-        low_freq_factor = _rope_param(rope_scaling, "low_freq_factor", rope_type)
-        high_freq_factor = _rope_param(rope_scaling, "high_freq_factor", rope_type)
-        old_context_len = _rope_param(rope_scaling, "original_max_position_embeddings", rope_type)
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope_scaling type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+from llmserve.layers.rope_scaling import (  # noqa: F401 (re-exported)
+    SUPPORTED_ROPE_TYPES,
+    compute_inv_freq,
+    rope_cos_sin,
+)
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,32 +50,48 @@ def apply_rotary_emb_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin cache ``[max_position, head_dim / 2]`` for positions ``0 .. max_position - 1``.
+    """cos/sin cache ``[max_position, rotary_dim / 2]`` for positions ``0 .. max_position - 1``.
+
+    Args:
+        rotary_dim: the rotated width of a head (``head_dim`` unless partial).
+        max_position: rows of the cache (the longest context served).
+        base: ``rope_theta``.
+        rope_scaling: Hugging Face ``rope_scaling`` dict or None.
+        dtype: the activation dtype the cache is cast to (after float32 math).
+        max_position_embeddings: the model's own ``max_position_embeddings``
+            (default ``max_position``), for "dynamic", "yarn" and "longrope".
+
+    Raises:
+        ValueError: odd ``rotary_dim``, unsupported rope type or missing field.
 
     Positions at or beyond ``max_position`` are an indexing error; the engine
-    keeps ``max_model_len <= max_position_embeddings``.
+    keeps ``max_model_len <= ModelConfig.max_context_len``.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float = 10000.0,
+    def __init__(self, rotary_dim: int, max_position: int, base: float = 10000.0,
                  rope_scaling: dict[str, Any] | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        self.head_dim = head_dim
+        if rotary_dim % 2 or rotary_dim <= 0:
+            raise ValueError(f"rotary embedding needs a positive even rotary_dim, got {rotary_dim}")
+        self.rotary_dim = rotary_dim
         self.max_position = max_position
-        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)  # [head_dim / 2]
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        cos, sin = rope_cos_sin(rotary_dim, max_position, base, rope_scaling,
+                                max_position_embeddings)  # [max_position, rotary_dim / 2]
         # float32 math, then cast once, as HF casts cos/sin to the activation dtype
-        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_cache", cos.to(dtype), persistent=False)
+        self.register_buffer("sin_cache", sin.to(dtype), persistent=False)
 
     def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[num_tokens, 1, head_dim / 2]`` for ``positions`` ``[num_tokens]``."""
+        """cos, sin ``[num_tokens, 1, rotary_dim / 2]`` for ``positions`` ``[num_tokens]``."""
         return self.cos_cache[positions][:, None], self.sin_cache[positions][:, None]
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query ``[T, num_heads, head_dim]`` and key ``[T, num_kv_heads, head_dim]``."""
+        """Rotate query ``[T, num_heads, head_dim]`` and key ``[T, num_kv_heads, head_dim]``
+        (the first ``rotary_dim`` dimensions of each head); returns new tensors."""
         cos, sin = self.get_cos_sin(positions)
-        return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
+        d = self.rotary_dim
+        return tuple(torch.cat((apply_rotary_emb(x[..., :d], cos, sin), x[..., d:]), dim=-1)
+                     for x in (query, key))

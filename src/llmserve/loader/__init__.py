@@ -20,11 +20,15 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization.base import QuantizationConfig, QuantizedTensor
 from llmserve.loader.gguf_loader import iter_gguf_weights, read_gguf_config
-from llmserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
+from llmserve.loader.safetensors_loader import (
+    iter_safetensors_weights,
+    read_checkpoint_quantization,
+    read_hf_config,
+)
 from llmserve.loader.source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
 
 __all__ = ["DEFAULT_MODEL_NAME", "ModelSource", "resolve_model", "load_model_config",
-           "iter_weights"]
+           "iter_weights", "checkpoint_quantization"]
 
 
 def _check_kind(source: ModelSource) -> None:
@@ -44,6 +48,17 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return read_hf_config(source.path)
 
 
+def checkpoint_quantization(source: ModelSource) -> QuantizationConfig | None:
+    """A safetensors checkpoint's own quantization (GPTQ, AWQ, compressed-tensors) or None
+    (GGUF files, dense checkpoints); pass it to ``resolve_quantization(checkpoint=...)``.
+
+    Raises:
+        ValueError: an unknown ``quant_method`` or unsupported field, naming config.json.
+    """
+    _check_kind(source)
+    return None if source.kind == "gguf" else read_checkpoint_quantization(source.path)
+
+
 def iter_weights(source: ModelSource, config: ModelConfig,
                  quantization: QuantizationConfig | None = None,
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
@@ -51,8 +66,10 @@ def iter_weights(source: ModelSource, config: ModelConfig,
 
     See :func:`~llmserve.loader.gguf_loader.iter_gguf_weights` (float32, Q/K un-permuted)
     and :func:`~llmserve.loader.safetensors_loader.iter_safetensors_weights` (as stored).
-    ``quantization`` (GGUF only; ignored for safetensors): tensors of the types it runs
-    natively come out as :class:`QuantizedTensor` raw blocks.
+    ``quantization``: GGUF tensors of the types it runs natively come out as
+    :class:`QuantizedTensor` raw blocks; for a quantized safetensors checkpoint, its
+    :func:`checkpoint_quantization` config keeps modules quantized (anything else:
+    dequantized to float32).
 
     Raises:
         ValueError: unsupported tensor type, missing shard, or unknown ``source.kind``.
@@ -60,4 +77,4 @@ def iter_weights(source: ModelSource, config: ModelConfig,
     _check_kind(source)
     if source.kind == "gguf":
         return iter_gguf_weights(source.path, config, quantization)
-    return iter_safetensors_weights(source.path)
+    return iter_safetensors_weights(source.path, quantization)

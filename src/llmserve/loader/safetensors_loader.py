@@ -7,22 +7,34 @@ Layouts accepted (as written by ``transformers.PreTrainedModel.save_pretrained``
     model_dir/model.safetensors               single file, or
     model_dir/model.safetensors.index.json    {"weight_map": {tensor name: shard file}}
     model_dir/model-0000k-of-0000n.safetensors
+
+A quantized checkpoint (GPTQ, AWQ, compressed-tensors) names its method in
+``config.json``'s ``quantization_config``; its quantized modules store several
+tensors (``<m>.qweight``, ``<m>.scales``, ...) that may sit in different shards.
+:func:`iter_safetensors_weights` reads each module's tensors together and yields one
+``(<m>.weight, QuantizedTensor)`` (or its dequantized float32 weight).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from llmserve.config import ModelConfig
+from llmserve.layers.quantization.base import QuantizedTensor
+from llmserve.layers.quantization.int_group import CheckpointQuantizationConfig
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some old checkpoints saved; recomputed by the model.
@@ -93,18 +105,91 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def read_checkpoint_quantization(model_dir: str) -> CheckpointQuantizationConfig | None:
+    """The checkpoint's own quantization (``quantization_config`` in ``config.json``) or None.
+
+    Returns:
+        A ``CheckpointQuantizationConfig`` (``llmserve.layers.quantization.int_group``).
+
+    Raises:
+        ValueError: an unknown ``quant_method`` or an unsupported field (the message names
+            the config file and the field).
+    """
+    from llmserve.layers.quantization import checkpoint_quantization_config
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    qc = _read_json(path).get("quantization_config")
+    return None if qc is None else checkpoint_quantization_config(qc, path)
+
+
+def _open_all(stack: contextlib.ExitStack, files: list[str]) -> dict[str, Any]:
+    handles = {}
+    for path in files:
+        try:
+            handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path!r} is not a readable safetensors file: {e}") from None
+    return handles
+
+
+def _get(handle: Any, path: str, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path!r}: cannot read tensor {name!r}: {e}") from None
+
+
+def iter_safetensors_weights(model_dir: str, quantization: Any = None,
+                             ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor, with names and dtypes as stored.
 
     Shapes are Hugging Face's (linear weights ``[out_features, in_features]``).
-    ``*.rotary_emb.inv_freq`` buffers are skipped.
+    ``*.rotary_emb.inv_freq`` buffers are skipped. A quantized checkpoint's modules
+    come out as ``(<m>.weight, QuantizedTensor)`` when ``quantization`` is its
+    ``CheckpointQuantizationConfig`` (from ``resolve_quantization``), else dequantized
+    to float32 by the format's formula.
 
     Raises:
-        ValueError: see :func:`safetensors_files`.
+        ValueError: see :func:`safetensors_files`, :func:`read_checkpoint_quantization`;
+            an unreadable file or tensor, or a malformed quantized module (naming the
+            file and the tensor).
     """
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(_SKIPPED_SUFFIXES):
+    files = safetensors_files(model_dir)
+    ckpt = read_checkpoint_quantization(model_dir)
+    native = ckpt is not None and getattr(quantization, "name", None) == ckpt.name \
+        and hasattr(quantization, "read_module")
+    if native:
+        ckpt = quantization
+    with contextlib.ExitStack() as stack:
+        handles = _open_all(stack, files)
+        names = {path: [n for n in h.keys() if not n.endswith(_SKIPPED_SUFFIXES)]  # noqa: SIM118
+                 for path, h in handles.items()}
+        parts: dict[str, dict[str, str]] = defaultdict(dict)  # module -> suffix -> file
+        if ckpt is not None:
+            markers, suffixes = ckpt.marker_suffixes(), ckpt.module_suffixes()
+            quantized = {n.rsplit(".", 1)[0] for ns in names.values() for n in ns
+                         if n.rsplit(".", 1)[-1] in markers}
+            for path, ns in names.items():
+                for n in ns:
+                    prefix, _, suffix = n.rpartition(".")
+                    if prefix in quantized and suffix in suffixes:
+                        parts[prefix][suffix] = path
+        emitted: set[str] = set()
+        for path, ns in names.items():
+            for name in ns:
+                prefix, _, suffix = name.rpartition(".")
+                if prefix not in parts or suffix not in parts[prefix]:
+                    yield name, _get(handles[path], path, name)
                     continue
-                yield name, f.get_tensor(name)
+                if prefix in emitted:
+                    continue  # read once, with the module's first tensor
+                emitted.add(prefix)
+                tensors = {sfx: _get(handles[p], p, f"{prefix}.{sfx}")
+                           for sfx, p in parts[prefix].items()}
+                try:
+                    qt = ckpt.read_module(prefix, tensors)
+                except ValueError as e:
+                    raise ValueError(f"{path!r}: {e}") from None
+                yield f"{prefix}.weight", qt if native else qt.dequantize()

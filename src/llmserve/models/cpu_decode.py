@@ -13,7 +13,9 @@ done once per step in :meth:`CpuDecodeStep.build`::
 Numerics are those of the generic path (the same kernels, the same order). It is
 used when every scheduled sequence decodes one token, the kernels are available,
 the activations are float32 or bfloat16 on the CPU and the attention backend is
-``"cpu"``; otherwise :class:`~llmserve.models.llama.LlamaModel` runs its modules.
+``"cpu"``; otherwise :class:`~llmserve.models.llama.LlamaModel` runs its modules. Only
+models whose layers are exactly ``LlamaDecoderLayer(LlamaAttention, LlamaMLP)`` take it
+(``LlamaModel.use_cpu_decode_path``): MoE layers or QK-norm attention never do.
 Measured (docs/benchmarks.md): 2.3 -> 1.1 ms of non-matmul time per batch-1 step.
 """
 
@@ -101,8 +103,10 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
     key_ptr = qkv_ptr + attn.q_size * esize
     value_ptr = key_ptr + attn.kv_size * esize
     key_cache, value_cache = kv_cache
-    check_status(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads, head_dim, row,
-                         head_dim, step.cos_ptr, step.sin_ptr), "rotary_emb")
+    # the first rotary_dim dims of each query and key head (all of them unless partial)
+    check_status(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads,
+                               attn.rotary_dim, row, head_dim, step.cos_ptr, step.sin_ptr),
+                 "rotary_emb")
     check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
                        step.num_blocks * step.block_size, key_ptr, row, value_ptr, row,
                        step.slot_ptr, num_tokens, attn.kv_size), "write_kv")
@@ -112,7 +116,7 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
         code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
         step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0), step.seq_lens_ptr,
         num_tokens, num_heads, num_kv_heads, head_dim, step.block_size, attn.attn.scale,
-        step.window, step.num_threads), "paged_attention_decode")
+        attn.attn.sliding_window or step.window, step.num_threads), "paged_attention_decode")
     hidden = attn.o_proj.matmul_fn()(out)
     norm = layer.post_attention_layernorm
     x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)

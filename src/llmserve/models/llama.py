@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.layers.activation import get_act_and_mul
+from llmserve.layers.activation import SiluAndMul, get_act_and_mul
 from llmserve.layers.attention import get_attn_backend
 from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
@@ -42,15 +42,23 @@ def _has_o_proj_bias(config: ModelConfig) -> bool:
     return config.attention_bias and not is_qwen2
 
 
+def attention_scale(config: ModelConfig) -> float:
+    """``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
+    scalar = config.query_pre_attn_scalar
+    return (scalar if scalar is not None else config.head_dim) ** -0.5
+
+
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE (the first ``rotary_dim`` dims of each head), paged
+    attention with layer ``layer_idx``'s sliding window, output projection."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend], layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
@@ -59,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=_has_o_proj_bias(config),
                              dtype=dtype)
         self.attn = backend_cls(self.num_heads, self.head_dim, self.num_kv_heads,
-                                self.head_dim ** -0.5)
+                                attention_scale(config), config.layer_sliding_window(layer_idx))
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: Any) -> torch.Tensor:
@@ -69,7 +77,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(hidden_states).contiguous()  # [T, q_size + 2 * kv_size]
         # [num_tokens, num_heads + 2 * num_kv_heads, head_dim]: query | key | value heads
         heads = qkv.view(num_tokens, -1, self.head_dim)
-        apply_rotary_emb_(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        apply_rotary_emb_(heads[:, :self.num_heads + self.num_kv_heads, :self.rotary_dim],
+                          cos, sin)
         query, key, value = heads.split_with_sizes(self.head_splits, dim=1)
         # [num_tokens, num_heads, head_dim]
         out = self.attn.forward(query, key, value, kv_cache[0], kv_cache[1], attn_metadata)
@@ -79,9 +88,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], dtype=dtype)
         self.act_fn = get_act_and_mul(config.hidden_act)
         self.down_proj = Linear(size, config.hidden_size, dtype=dtype)
@@ -91,13 +101,27 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))`` (fused add-norms).
+
+    Subclasses swap parts through ``attention_cls`` / ``mlp_cls`` (e.g. QK-norm
+    attention, a mixture-of-experts MLP); the CPU decode fast path runs only exact
+    Llama layers (see :attr:`LlamaModel.use_cpu_decode_path`).
+    """
+
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend], layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, backend_cls)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = self.attention_cls(config, dtype, backend_cls, layer_idx)
+        self.mlp = self.make_mlp(config, dtype, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def make_mlp(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s MLP: ``mlp_cls(config, dtype)`` (MoE models choose per layer)."""
+        return self.mlp_cls(config, dtype)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
@@ -113,16 +137,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, ``num_hidden_layers`` x ``layer_cls``, final norm; one RoPE table."""
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, backend_cls)
-                                    for _ in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_context_len,
+                                          config.rope_theta, config.rope_scaling, dtype,
+                                          config.max_position_embeddings)
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, backend_cls, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # models/cpu_decode.py knows exactly these modules; other layers run their own code
+        self.use_cpu_decode_path = all(
+            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP and type(layer.mlp.act_fn) is SiluAndMul
+            for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
@@ -130,7 +164,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         residual = None
         # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
-        step = CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
+        step = (CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
+                if self.use_cpu_decode_path else None)
         if step is not None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = decode_layer(layer, step, hidden_states, residual,
@@ -157,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
     Parameters are allocated uninitialised: call :meth:`load_weights`.
     """
 
+    model_cls: type[nn.Module] = LlamaModel
     # fused parameter -> the checkpoint projections it stacks, in shard order
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, list[tuple[str, int | str]]] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
@@ -172,9 +208,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        # the runner copies this into CommonAttentionMetadata.sliding_window
-        self.sliding_window = config.sliding_window
-        self.model = LlamaModel(config, dtype, self.attn_backend_cls)
+        # the runner copies this into CommonAttentionMetadata.sliding_window; with
+        # per-layer windows each attention layer carries its own and the step has none
+        self.sliding_window = config.sliding_window if config.layer_types is None else None
+        self.model = self.model_cls(config, dtype, self.attn_backend_cls)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, dtype=dtype))
@@ -207,9 +244,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype)."""
+        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype),
+        soft-capped ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is set."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        logits = F.linear(hidden_states, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _checkpoint_name_map(self) -> dict[str, tuple[str, int | str | None]]:
         """Hugging Face weight name -> (our parameter name, shard id)."""
@@ -246,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
             pname, shard_id = name_map[name]
             module = self.get_submodule(pname.rsplit(".", 1)[0])
             try:
-                if isinstance(module, Linear):
+                if hasattr(module, "weight_loader"):  # Linear, FusedMoE
                     module.weight_loader(params[pname], tensor, shard_id)
                 else:
                     default_weight_loader(params[pname], tensor)

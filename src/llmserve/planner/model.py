@@ -235,7 +235,7 @@ class PlannerModel:
 
     @classmethod
     def from_model_config(cls, mc: ModelConfig, name: str = "") -> PlannerModel:
-        """Build from an llmserve :class:`~llmserve.config.ModelConfig` (dense models).
+        """Build from an llmserve :class:`~llmserve.config.ModelConfig` (dense or MoE).
 
         A ``sliding_window`` there applies to every layer.
         """
@@ -253,6 +253,12 @@ class PlannerModel:
             tie_word_embeddings=mc.tie_word_embeddings,
             attention_bias=mc.attention_bias,
             sliding_window=mc.sliding_window,
+            # MoE (every layer sparse; Qwen's decoder_sparse_step / mlp_only_layers not modelled)
+            num_experts=mc.num_experts,
+            num_experts_per_tok=mc.num_experts_per_tok,
+            moe_intermediate_size=mc.moe_intermediate_size,
+            num_shared_experts=1 if mc.num_experts and mc.shared_expert_intermediate_size else 0,
+            shared_expert_intermediate_size=mc.shared_expert_intermediate_size,
         )
 
 

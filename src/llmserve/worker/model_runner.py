@@ -70,7 +70,8 @@ class ModelRunner:
         mc = config.model_config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
-        self.sliding_window = mc.sliding_window
+        # the step's window: the model's (None when each layer carries its own, layer_types)
+        self.sliding_window = getattr(model, "sliding_window", mc.sliding_window)
         shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [

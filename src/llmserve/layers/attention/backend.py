@@ -126,8 +126,9 @@ class AttentionBackend(ABC):
       at ``slot_mapping`` (in place), then computes attention, so a token
       sees its own K/V and those of the earlier tokens of the same step.
     * Query token at position ``p`` of a sequence attends to the key
-      positions ``k`` with ``k <= p`` (and ``k > p - sliding_window`` when a
-      window is set), the earlier ones read from the cache through the
+      positions ``k`` with ``k <= p`` (and ``k > p - W`` when a window ``W`` is
+      set: the layer's own ``sliding_window``, else the step's), the earlier
+      ones read from the cache through the
       sequence's ``block_table``. Sequences never see each other.
     * Grouped-query attention: query head ``h`` uses KV head
       ``h // (num_heads // num_kv_heads)``.
@@ -139,8 +140,14 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
-        """Raises ValueError when ``num_heads`` is not a multiple of ``num_kv_heads``."""
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: this layer's own window (per-layer windows, e.g. Gemma 3's
+        sliding layers); None: the step's ``sliding_window`` (model-wide, e.g. Mistral).
+
+        Raises ValueError when ``num_heads`` is not a multiple of ``num_kv_heads``, or
+        for a window < 1.
+        """
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a positive multiple of "
@@ -150,6 +157,13 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.scale = float(scale)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def layer_window(self, step_window: int | None) -> int | None:
+        """The window this layer applies in a step whose metadata says ``step_window``."""
+        return step_window if self.sliding_window is None else self.sliding_window
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:

@@ -26,7 +26,8 @@ et al. 2023); grouping as in the vLLM torch SDPA backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,27 @@ class CpuAttentionMetadata:
     sliding_window: int | None
     # prefill group: one entry per prefill sequence, in token order
     prefills: list[PrefillSeq]
+    # the step's common metadata: layers with their own window derive (once per step
+    # and window, see for_window) the variant with that window's masks
+    common: CommonAttentionMetadata | None = None
+    variants: dict[int | None, CpuAttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> CpuAttentionMetadata:
+        """This step's metadata with sliding window ``window`` (self when it already is),
+        built on first use and shared by every layer with that window.
+
+        Raises:
+            ValueError: when built without its ``common`` metadata.
+        """
+        if window == self.sliding_window:
+            return self
+        variant = self.variants.get(window)
+        if variant is None:
+            if self.common is None:
+                raise ValueError("CpuAttentionMetadata.for_window needs the common metadata")
+            variant = _build_metadata(dataclasses.replace(self.common, sliding_window=window))
+            self.variants[window] = variant
+        return variant
 
 
 @dataclass
@@ -107,6 +129,22 @@ def _build_prefills(common: CommonAttentionMetadata, window: int | None) -> list
     return prefills
 
 
+def _build_metadata(common: CommonAttentionMetadata) -> CpuAttentionMetadata:
+    window = common.sliding_window
+    num_decodes = common.num_decodes
+    num_prefills = common.num_seqs - num_decodes
+    decode_block_table = decode_seq_lens = None
+    if num_decodes:
+        num_blocks = _ceil_div(max(common.seq_lens_list[:num_decodes]), common.block_size)
+        decode_block_table = common.block_table[:num_decodes, :num_blocks]
+        decode_seq_lens = common.seq_lens[:num_decodes]
+    return CpuAttentionMetadata(
+        slot_mapping=common.slot_mapping, num_decodes=num_decodes,
+        num_prefills=num_prefills, decode_block_table=decode_block_table,
+        decode_seq_lens=decode_seq_lens, decode_mask=None, sliding_window=window,
+        prefills=_build_prefills(common, window) if num_prefills else [], common=common)
+
+
 class CpuAttentionBackend(AttentionBackend):
     """Grouped SDPA attention over a paged KV cache (see the module docstring)."""
 
@@ -115,23 +153,13 @@ class CpuAttentionBackend(AttentionBackend):
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         """Precompute block tables, gather indices and masks for one step."""
-        window = common.sliding_window
-        num_decodes = common.num_decodes
-        num_prefills = common.num_seqs - num_decodes
-        decode_block_table = decode_seq_lens = None
-        if num_decodes:
-            num_blocks = _ceil_div(max(common.seq_lens_list[:num_decodes]), common.block_size)
-            decode_block_table = common.block_table[:num_decodes, :num_blocks]
-            decode_seq_lens = common.seq_lens[:num_decodes]
-        return CpuAttentionMetadata(
-            slot_mapping=common.slot_mapping, num_decodes=num_decodes,
-            num_prefills=num_prefills, decode_block_table=decode_block_table,
-            decode_seq_lens=decode_seq_lens, decode_mask=None, sliding_window=window,
-            prefills=_build_prefills(common, window) if num_prefills else [])
+        return _build_metadata(common)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
+        if self.sliding_window is not None:  # this layer's own window
+            metadata = metadata.for_window(self.sliding_window)
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         nd = metadata.num_decodes
         if not metadata.num_prefills:

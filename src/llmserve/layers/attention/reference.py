@@ -57,7 +57,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             device = query.device
             query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
             key_positions = torch.arange(seq_len, device=device)
-            mask = causal_mask(query_positions, key_positions, metadata.sliding_window)
+            mask = causal_mask(query_positions, key_positions,
+                               self.layer_window(metadata.sliding_window))
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # [num_heads, query_len, seq_len]
             output[start:end] = torch.einsum("hqk,khd->qhd", probs, seq_value).to(query.dtype)

@@ -4,8 +4,17 @@
 ``none``       dequantize every tensor to ``--dtype`` at load (dense matmuls)
 ``gguf-native``  GGUF Q4_0 / Q4_1 / Q8_0 through PyTorch's int4 CPU kernel, packed only
 ``gguf-hybrid``  the same for steps of <= 8 tokens, plus a dense bf16 copy for larger steps
-``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations, else ``none``
+``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations; a
+               quantized safetensors checkpoint's own method on CPU; else ``none``
+``gptq``       GPTQ checkpoints (4-bit on the int4 kernel), ``gptq.py``
+``awq``        AWQ GEMM checkpoints (int4 kernel), ``awq.py``
+``compressed-tensors``  ``pack-quantized`` W4A16 (int4 kernel), ``int-quantized`` W8A8
+               (dynamic per-token int8 activations), ``compressed_tensors.py``
 =============  ==========================================================================
+
+A safetensors checkpoint names its method in ``config.json``'s
+``quantization_config.quant_method`` (:func:`checkpoint_quantization_config`);
+``--quantization none`` dequantizes it at load.
 
 Usage (the engine does this when it loads a model)::
 
@@ -23,10 +32,40 @@ if TYPE_CHECKING:  # this module stays importable without torch (CLI flags)
     import torch
 
     from llmserve.layers.quantization.base import QuantizationConfig
+    from llmserve.layers.quantization.int_group import CheckpointQuantizationConfig
 
-__all__ = ["QUANTIZATION_METHODS", "get_quantization_config", "resolve_quantization"]
+__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "checkpoint_quantization_config",
+           "get_quantization_config", "resolve_quantization"]
 
-QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hybrid")
+# quantization_config.quant_method -> module.class (safetensors checkpoints)
+CHECKPOINT_METHODS: dict[str, str] = {
+    "gptq": "gptq.GPTQConfig",
+    "awq": "awq.AWQConfig",
+    "compressed-tensors": "compressed_tensors.CompressedTensorsConfig",
+}
+QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hybrid",
+                                         *CHECKPOINT_METHODS)
+
+
+def checkpoint_quantization_config(qc: object, source: str) -> CheckpointQuantizationConfig:
+    """The :class:`~llmserve.layers.quantization.int_group.CheckpointQuantizationConfig`
+    for a ``quantization_config`` dict read from ``source`` (a config.json path).
+
+    Raises:
+        ValueError: not an object, an unknown ``quant_method`` (the message names
+            ``source`` and lists the known ones), or a field the method rejects.
+    """
+    if not isinstance(qc, dict):
+        raise ValueError(f"{source}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not "
+                         f"supported; supported: {sorted(CHECKPOINT_METHODS)}")
+    import importlib
+
+    module, cls = CHECKPOINT_METHODS[method].split(".")
+    mod = importlib.import_module(f"llmserve.layers.quantization.{module}")
+    return getattr(mod, cls)(qc, source)
 
 
 def get_quantization_config(name: str, dtype: torch.dtype | None = None,
@@ -46,6 +85,9 @@ def get_quantization_config(name: str, dtype: torch.dtype | None = None,
     )
 
     dtype = torch.bfloat16 if dtype is None else dtype
+    if name in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization {name!r} comes from a checkpoint's config.json; "
+                         "use checkpoint_quantization_config")
     if name == "gguf-native":
         return GGUFNativeConfig(dtype, dense_threshold=None)
     if name == "gguf-hybrid":
@@ -59,8 +101,9 @@ def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def resolve_quantization(name: str, *, model_kind: str, dtype: str,
-                         device: str) -> QuantizationConfig | None:
+def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
+                         checkpoint: QuantizationConfig | None = None,
+                         ) -> QuantizationConfig | None:
     """Resolve ``--quantization`` against the model format, dtype and device.
 
     Args:
@@ -68,6 +111,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
         model_kind: ``"gguf"`` or ``"hf"`` (``ModelSource.kind``).
         dtype: the resolved engine dtype (``"bfloat16"``, ``"float32"``, ...).
         device: the resolved device (``"cpu"``, ``"cuda:0"``, ...).
+        checkpoint: a safetensors checkpoint's own config
+            (``loader.read_checkpoint_quantization``), or None.
 
     Returns:
         A config, or None for dense weights.
@@ -79,6 +124,20 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
                          f"got {name!r}")
+    if checkpoint is not None and name in ("auto", *CHECKPOINT_METHODS):
+        if name not in ("auto", checkpoint.name):
+            raise ValueError(f"--quantization {name} does not match the checkpoint's "
+                             f"quant_method {checkpoint.name!r}; use --quantization auto "
+                             "(or none: dequantize at load)")
+        if device == "cpu" and _has_int4_kernel():
+            return checkpoint
+        if name == "auto":
+            return None
+        raise ValueError(f"--quantization {name} runs on the CPU only (torch >= 2.6 int4 "
+                         "kernel); use --quantization none (dequantize at load)")
+    if name in CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {name} needs a safetensors checkpoint whose "
+                         f"config.json has quantization_config.quant_method {name!r}")
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
         and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
     if name == "auto":
