@@ -38,20 +38,21 @@ def byte_level_gguf(path, template=CHATML, eos="<|endoftext|>"):
     return w, ids, ids[eos]
 
 
-@pytest.fixture
-def no_cache(monkeypatch):
-    monkeypatch.setenv("LLMSERVE_CACHE_DIR", "")
-
-
+@pytest.mark.parametrize("cached", [False, True], ids=["converted", "cached"])
 @pytest.mark.parametrize("transformers_marks", [True, False], ids=["transformers", "no-marks"])
-def test_control_tokens_are_special(tmp_path, monkeypatch, no_cache, transformers_marks):
-    """With transformers' own marking, and without it (as transformers < 5 converted)."""
+def test_control_tokens_are_special(tmp_path, monkeypatch, transformers_marks, cached):
+    """With transformers' own marking, and without it (as transformers < 5 converted);
+    fresh from the conversion, and reloaded from the tokenizer cache."""
     if not transformers_marks:
         import transformers.integrations.gguf.gguf_tokenizer_mapping as mapping
 
         monkeypatch.setattr(mapping, "add_gguf_special_tokens", lambda tokenizer, d: tokenizer)
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache") if cached else "")
     path, ids, _ = byte_level_gguf(tmp_path / "v.gguf")
     tok = load_tokenizer(ModelSource("gguf", path, "v"))
+    if cached:
+        assert list((tmp_path / "cache").glob("tokenizers/*/tokenizer.json"))
+        tok = load_tokenizer(ModelSource("gguf", path, "v"))
     text = "<repo_name>hello<file_sep>x<tool_call>y<|im_end|>"
     encoded = tok.encode(text, add_special_tokens=False)
     assert encoded[0] == ids["<repo_name>"] and ids["<tool_call>"] in encoded
@@ -67,6 +68,8 @@ def test_control_tokens_are_special(tmp_path, monkeypatch, no_cache, transformer
     (LLAMA3, "<|endoftext|>", "<|eot_id|>"),   # Llama 3 turns end in <|eot_id|>
     (CHATML, "<|im_end|>", None),              # eos already ends the turn
     ("{{ raise_exception('no') }}", "<|endoftext|>", None),  # a template that fails: eos only
+    ("{% for i in range(60000) %}{% for j in range(60000) %}{% endfor %}{% endfor %}",
+     "<|endoftext|>", None),  # one that would run for hours: stopped by the render limit
 ])
 def test_eos_ids_include_chat_template_end_of_turn(tmp_path, template, eos, end_of_turn):
     path, ids, eos_id = byte_level_gguf(tmp_path / "e.gguf", template, eos)

@@ -20,7 +20,7 @@ from llmserve.config import ModelConfig
 from llmserve.loader.gguf_types import ggml_type_name, tensor_nbytes
 
 if TYPE_CHECKING:
-    from llmserve.loader.gguf_loader import GGUFHeader
+    from llmserve.loader.gguf_header import GGUFHeader
 
 
 def check_tensor_data(header: GGUFHeader) -> None:

@@ -21,7 +21,6 @@ import importlib.metadata
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import _type_traits
 from gguf.quants import dequantize as _gguf_dequantize
 
 _Q = GGMLQuantizationType
@@ -37,9 +36,25 @@ def gguf_package_version() -> str:
         return "unknown"
 
 
+def _gguf_can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    """Whether ``gguf.quants.dequantize`` has a formula for ``qtype`` (tried on one zero
+    block: gguf-py raises NotImplementedError for the types it lacks)."""
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        _gguf_dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _loadable() -> frozenset[GGMLQuantizationType]:
-    via_gguf = {_Q.F32, _Q.F16, *_type_traits}
-    return frozenset(t for t in _Q if t in via_gguf or t in _OWN)
+    try:  # gguf-py's registry of formula classes (cheap; probing builds the IQ grids, ~10 s)
+        from gguf.quants import _type_traits
+    except ImportError:  # pragma: no cover - a gguf without the registry
+        return frozenset(t for t in _Q if t in _OWN or _gguf_can_dequantize(t))
+    return frozenset(t for t in _Q if t in _OWN or t in (_Q.F32, _Q.F16) or t in _type_traits)
 
 
 #: ggml types whose tensors load (dequantized to float32).

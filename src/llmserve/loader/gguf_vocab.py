@@ -7,20 +7,19 @@ llama.cpp's ``tokenizer.ggml.token_type`` (``gguf.TokenType``, llama.cpp
     4 USER_DEFINED (added, matched whole, not special: <tool_call>)   5 UNUSED   6 BYTE
 
 The token that ends an assistant turn is found by rendering ``tokenizer.chat_template``
-(Jinja, sandboxed, with the globals transformers gives it) for a one-turn conversation
+(:mod:`llmserve.chat_template`: sandboxed and bounded) for a one-turn conversation
 and reading the control token right after the assistant's text: ``<|im_end|>`` for
 ChatML, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma.
 """
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from llmserve.loader.gguf_loader import GGUFHeader
+    from llmserve.loader.gguf_header import GGUFHeader
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -32,7 +31,7 @@ def special_token_table(header: GGUFHeader) -> dict[int, tuple[str, int]]:
 
     Empty when the file has no ``tokenizer.ggml.token_type``.
     """
-    from llmserve.loader.gguf_loader import read_gguf_array, read_gguf_strings
+    from llmserve.loader.gguf_header import read_gguf_array, read_gguf_strings
 
     types = read_gguf_array(header, "tokenizer.ggml.token_type")
     if types is None:
@@ -46,28 +45,18 @@ def special_token_table(header: GGUFHeader) -> dict[int, tuple[str, int]]:
 
 
 def render_one_turn(template: str, bos_token: str = "", eos_token: str = "") -> str:
-    """``template`` rendered for ``[user "Hi", assistant <sentinel>]`` (no generation prompt).
+    """``template`` rendered for ``[user "Hi", assistant <sentinel>]`` (no generation
+    prompt), in :mod:`llmserve.chat_template`'s bounded sandbox (1 s, 64 K characters).
 
     Raises:
-        jinja2.TemplateError: the template fails on this conversation.
+        ChatTemplateError: the template fails on this conversation or passes the limits.
     """
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from llmserve.chat_template import RenderLimits, render_chat_template
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False,
-                                                                   indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: "2026-01-01"
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
-    return env.from_string(template).render(
-        messages=messages, add_generation_prompt=False, bos_token=bos_token,
-        eos_token=eos_token, tools=None)
+    return render_chat_template(template, messages, add_generation_prompt=False,
+                                template_vars={"bos_token": bos_token, "eos_token": eos_token},
+                                limits=RenderLimits(timeout_s=1.0, max_chars=1 << 16))
 
 
 def chat_template_end_of_turn(header: GGUFHeader) -> int | None:
@@ -93,7 +82,7 @@ def chat_template_end_of_turn(header: GGUFHeader) -> int | None:
     try:
         rendered = render_one_turn(template, text_of("tokenizer.ggml.bos_token_id"),
                                    text_of("tokenizer.ggml.eos_token_id"))
-    except Exception:  # noqa: BLE001 - any template error: no end-of-turn token, not a load error
+    except ValueError:  # ChatTemplateError: no end-of-turn token, not a load error
         return None
     at = rendered.find(_SENTINEL)
     if at < 0:
