@@ -1,0 +1,5 @@
+"""The gateway (``llmserve gateway``): API keys, RBAC, rate limits and quotas shared
+through Redis, priority lanes, metrics, in front of OpenAI-compatible upstreams.
+
+Serving plane: this package imports neither torch nor the engine (DESIGN.md section 1).
+"""
