@@ -235,6 +235,12 @@ def build_app(config: GatewayConfig, audit: AuditSink | None = None,
     async def _internal(_: Request, exc: Exception) -> Response:
         import logging
 
+        from redis.exceptions import RedisError
+
+        if isinstance(exc, RedisError):  # e.g. Redis went down during an admin call
+            return error_response(503, "Redis unreachable; try again later",
+                                  "service_unavailable", "store_unavailable")
+
         logging.getLogger(__name__).exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}", "api_error")
 

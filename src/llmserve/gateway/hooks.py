@@ -15,8 +15,8 @@ Where they are called, per inference request (``/v1/completions``,
 
 ``ctx`` is a :class:`RequestContext`. The audit record is a JSON-serializable dict:
 ``{request_id, time (unix s, arrival), key_id, team, role, model, endpoint, request
-(the body as forwarded), response_text (full text, or the streamed deltas joined;
-one string per choice), stream, status (HTTP code sent), outcome ("ok", "aborted",
+(the body as forwarded), response_text (the text the client got, after output
+moderation: the full text, or the streamed deltas joined; one string per choice), stream, status (HTTP code sent), outcome ("ok", "aborted",
 "upstream_error", "rejected"), error, prompt_tokens, completion_tokens, latency_s,
 safety (list of verdict dicts)}``.
 """

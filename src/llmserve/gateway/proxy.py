@@ -9,8 +9,9 @@ Token cost reserved at admission (only when a TPM or quota limit applies)::
 chat template); ``max_tokens`` defaults as the server does (completions 16, chat
 ``max_model_len - prompt_tokens``). Settled with the usage the upstream reports
 (``stream_options.include_usage`` is always asked of the upstream; the usage chunk is
-dropped again if the client did not ask). An aborted stream is charged its prompt and
-one token per content chunk received.
+dropped again if the client did not ask). A stream that ends without usage (aborted by
+the client, or cut by the moderator) is charged its prompt and one token per content
+chunk received.
 """
 
 from __future__ import annotations
@@ -162,7 +163,12 @@ async def _proxy(gw, request: Request, p, endpoint: str, chat: bool) -> Response
                                "invalid_request_error", "model_not_found", "model")
         ctx = RequestContext(rid, p.key_id, p.team, p.role, model, endpoint, p.team_rec)
         if gw.safety is not None:
-            verdict = await gw.safety.check_input(body, ctx)
+            try:
+                verdict = await gw.safety.check_input(body, ctx)
+            except Exception:
+                logger.exception("safety input check failed for %s", rid)
+                raise GatewayError(503, "content-safety check unavailable", "api_error",
+                                   "safety_unavailable") from None
             rec["safety"] += verdict.verdicts
             if verdict.action == "block":
                 raise GatewayError(400, verdict.message or "blocked by content policy",
@@ -224,10 +230,10 @@ async def _proxy(gw, request: Request, p, endpoint: str, chat: bool) -> Response
                 out = json.loads(data)
                 usage = out.get("usage") or {}
                 pt, ct = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-                for c in out.get("choices") or []:
-                    texts.append((c.get("message") or {}).get("content") or c.get("text") or "")
                 if moderator is not None:
                     data = _moderate_whole(out, moderator, rec)
+                for c in out.get("choices") or []:  # what the client gets
+                    texts.append((c.get("message") or {}).get("content") or c.get("text") or "")
             except (ValueError, TypeError, AttributeError):
                 pass
         rec["response_text"] = texts
@@ -256,7 +262,7 @@ async def _relay(gw, upstream: httpx.Response, res, rec, labels, t0, want_usage,
     """Relay SSE events; settle in a task of its own (also when the client aborts)."""
     pt = ct = chunks = 0
     texts: dict[int, list[str]] = {}
-    outcome, cut = "aborted", False
+    outcome, cut, got_usage = "aborted", False, False
     try:
         async for line in upstream.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -269,6 +275,7 @@ async def _relay(gw, upstream: httpx.Response, res, rec, labels, t0, want_usage,
                 yield line + "\n\n"
                 continue
             if ev.get("usage"):
+                got_usage = True
                 pt = int(ev["usage"].get("prompt_tokens", 0))
                 ct = int(ev["usage"].get("completion_tokens", 0))
                 if not ev.get("choices") and not want_usage:
@@ -297,7 +304,7 @@ async def _relay(gw, upstream: httpx.Response, res, rec, labels, t0, want_usage,
         raise
     finally:
         rec["response_text"] = ["".join(texts[i]) for i in sorted(texts)]
-        if outcome != "ok" and not ct:
+        if not got_usage:  # aborted, or cut by the moderator: charge what was streamed
             ct = chunks
             pt = pt or max(res.cost - _max_completion(rec["request"]), 0)
         task = asyncio.get_running_loop().create_task(
