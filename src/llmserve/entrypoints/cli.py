@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     import importlib
 
+    from llmserve.gateway.cli import add_parser as _add_gateway  # serving plane, no torch
+
+    _add_gateway(subparsers)
+
     # optional subcommands, each a module with register(subparsers)
     for mod_name in ("llmserve.entrypoints.openai.serve_cmd", "llmserve.entrypoints.plan_cmd",
                      "llmserve.entrypoints.bench_cmd", "llmserve.entrypoints.audit_cmd"):
@@ -108,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gateway"]:  # the gateway never imports torch or the engine
+        from llmserve.gateway.cli import main as gateway_main
+
+        return gateway_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

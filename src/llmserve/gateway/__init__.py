@@ -1,4 +1,6 @@
-"""The serving-plane gateway: auth, RBAC, limits, audit log, content safety.
+"""The gateway (``llmserve gateway``): API keys, RBAC, rate limits and quotas shared
+through Redis, priority lanes, metrics, audit log and content safety, in front of
+OpenAI-compatible upstreams.
 
-Imports neither torch nor the engine (DESIGN.md section 1).
+Serving plane: this package imports neither torch nor the engine (DESIGN.md section 1).
 """
