@@ -31,20 +31,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.openai.openapi import install_openapi, responses
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -58,9 +62,11 @@ logger = logging.getLogger("llmserve.server")
 class ServerState:
     """What the routes share. ``ready`` is set last, after every handler exists."""
 
-    def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None):
+    def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None,
+                 trust_request_chat_template: bool = False):
         self.served_model_names = list(served_model_names)
         self.max_waiting_requests = max_waiting_requests
+        self.trust_request_chat_template = trust_request_chat_template
         self.stat_logger = PrometheusStatLogger(self.served_model_names[0])
         self.engine: AsyncLLM | None = None
         self.completion: OpenAIServingCompletion | None = None
@@ -72,7 +78,8 @@ class ServerState:
     def attach(self, engine: AsyncLLM) -> None:
         args = (engine, self.served_model_names, self.max_waiting_requests)
         self.completion = OpenAIServingCompletion(*args)
-        self.chat = OpenAIServingChat(*args)
+        self.chat = OpenAIServingChat(
+            *args, trust_request_chat_template=self.trust_request_chat_template)
         self.engine = engine
         self.ready = True
 
@@ -144,16 +151,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               api_key: str | None = None, max_waiting_requests: int | None = None,
               on_load_failure: Callable[[], None] | None = None,
-              on_ready: Callable[[AsyncLLM], None] | None = None) -> FastAPI:
+              on_ready: Callable[[AsyncLLM], None] | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
         served_model_names: names accepted as ``model``; the first is reported.
+        trust_request_chat_template: let chat requests bring their own chat template.
         on_load_failure: called (from the loader thread) when loading fails, e.g. to
             stop the server; ``app.state.server.exit_code`` is then 1.
         on_ready: called (from the loader thread) once the engine runs.
     """
-    state = ServerState(served_model_names, max_waiting_requests)
+    state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template)
 
     def load() -> None:
         try:
@@ -180,22 +189,24 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _install_error_handlers(app)
+    install_openapi(app, api_key_required=bool(api_key))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         state.require_engine()
-        return Response(status_code=200)
+        return Response(status_code=200)  # no body, as vLLM's /health
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(VersionResponse))
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=responses(None, media_type="text/plain"))
     async def metrics() -> Response:
         body, content_type = state.stat_logger.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList, 503))
     async def models() -> Response:
         engine = state.require_engine()
         cards = [ModelCard(id=name, root=engine.engine.config.model,
@@ -203,23 +214,25 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
                  for name in state.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              responses=responses(CompletionResponse, 400, 404, 500, 503, stream=True))
     async def completions(req: CompletionRequest, raw_request: Request) -> Response:
         state.require_engine()
         return await state.completion.create_completion(req, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=responses(ChatCompletionResponse, 400, 404, 500, 503, stream=True))
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
         state.require_engine()
         return await state.chat.create_chat_completion(req, raw_request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 404, 503))
     async def tokenize(req: TokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)
         tok = engine.tokenizer
         if req.messages is not None:
-            ids = state.chat.render(ChatCompletionRequest(
+            ids = await state.chat.render_prompt(ChatCompletionRequest(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt))
         elif req.prompt is not None:
             try:
@@ -233,7 +246,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
                                          tokens=ids, token_strs=strs).model_dump_json(),
                         media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 404, 503))
     async def detokenize(req: DetokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)

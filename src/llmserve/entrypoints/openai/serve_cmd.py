@@ -48,6 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-waiting-requests", type=_non_negative, default=None,
                    help="answer 503 while this many requests wait in the queue "
                         "(default: no limit)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests replace the model's chat template (`chat_template` "
+                        "or `chat_template_kwargs.chat_template`; still sandboxed and "
+                        "bounded); without it such requests are a 400, as in vLLM")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that requests in flight may take to finish after SIGTERM "
                         "before they are aborted (default 30)")
@@ -140,7 +144,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine_args, names, api_key=args.api_key,
                     max_waiting_requests=args.max_waiting_requests,
-                    on_load_failure=on_failure, on_ready=on_ready)
+                    on_load_failure=on_failure, on_ready=on_ready,
+                    trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=host, port=port, log_level=level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S,
