@@ -45,7 +45,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_RENDER_TIMEOUT_S = 5.0
-DEFAULT_MAX_RENDERED_CHARS = 1 << 20  # characters; the server raises it for long contexts
+DEFAULT_MAX_RENDERED_CHARS = 1 << 18  # characters; the server raises it for long contexts
 _MAX_EXPONENT_BITS = 1 << 16  # ``a ** b`` may make an integer of at most this many bits
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -122,6 +122,8 @@ def _check_format(fmt: str) -> None:
 
 
 def _join_size(sep: str, items: Any) -> int | None:
+    if isinstance(items, str):  # joins the characters
+        return len(items) + len(sep) * max(len(items) - 1, 0)
     if not isinstance(items, (list, tuple)):
         return None
     parts = [len(x) if isinstance(x, str) else len(str(x)) for x in items]
@@ -154,7 +156,12 @@ def _filter_guard(name: str, func: Any) -> Any:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         values = args[1:] if getattr(func, "jinja_pass_arg", None) else args
         _check_ints(f"the filter {name}", values[1:], kwargs)
-        if values and isinstance(values[0], str):
+        if name == "join" and values:
+            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+            size = _join_size(sep if isinstance(sep, str) else "", values[0])
+            if size is not None:
+                _refuse("the result of join", size)
+        elif values and isinstance(values[0], str):
             s = values[0]
             if name == "indent":
                 width = values[1] if len(values) > 1 else kwargs.get("width", 4)
@@ -165,11 +172,6 @@ def _filter_guard(name: str, func: Any) -> Any:
                 _check_str_method(s, "replace", values[1:3], {})
             elif name == "format":
                 _check_format(s)
-        elif name == "join" and values:
-            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-            size = _join_size(sep if isinstance(sep, str) else "", values[0])
-            if size is not None:
-                _refuse("the result of join", size)
         return _check_result(f"the result of the filter {name}", func(*args, **kwargs))
 
     return guarded
@@ -412,7 +414,7 @@ def _render(source: str, context: dict[str, Any], limits: RenderLimits) -> str:
             for piece in _compile(source).generate(**context):
                 total += len(piece)
                 if total > limits.max_chars:
-                    raise _LimitExceeded(f"the rendered text is over the limit of "
+                    raise _LimitExceeded(f"the rendered prompt is over the limit of "
                                          f"{limits.max_chars} characters")
                 pieces.append(piece)
         finally:

@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.trust_request_chat_template = trust_request_chat_template
         self.template_limits = RenderLimits(
-            max_chars=max(DEFAULT_MAX_RENDERED_CHARS, 16 * self.engine.max_model_len))
+            max_chars=max(DEFAULT_MAX_RENDERED_CHARS, 32 * self.engine.max_model_len))
 
     def _template_args(self, req: ChatCompletionRequest) -> tuple[str | None, str, dict]:
         """(request template or None, the param its errors name, template variables).
