@@ -24,6 +24,9 @@ MAX_MODEL_LEN = 96
 KV_TOKENS = 64  # --kv-cache-memory 4MiB: 5 blocks of 16 at 46080 B/token, one reserved
 HI = [{"role": "user", "content": "hi"}]
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+DEEP: list = []
+for _ in range(80):
+    DEEP = [DEEP]
 INTERNALS = ("transformers", "llmserve", "jinja2", "Traceback", "site-packages", "File \"")
 
 
@@ -119,6 +122,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"messages": []}},
      "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": 5},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"deep": DEEP}},
      "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "x"}]}]},
      "messages"),

@@ -110,15 +110,18 @@ def _check_ints(what: str, args: tuple, kwargs: dict) -> None:
             _refuse(f"an argument of {what}", abs(v))
 
 
-_FORMAT_NUMBER = re.compile(r"\d+")
+# the width and precision of a %-conversion, and the spec of a {...:spec} field
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
 
 
 def _check_format(fmt: str) -> None:
-    """``'%999999999d' % 1`` or ``'{:>999999999}'.format(1)``: refuse huge widths."""
-    for m in _FORMAT_NUMBER.finditer(fmt):
-        if len(m.group()) > 12:
-            _refuse("a format width", 10 ** 12)
-        _refuse("a format width", int(m.group()))
+    """``'%999999999d' % 1`` or ``'{:>999999999}'.format(1)``: refuse huge widths
+    (digits elsewhere in the string, like a date, are text and fine)."""
+    numbers = [n for m in _PERCENT_SPEC.finditer(fmt) for n in m.groups() if n]
+    numbers += [n for m in _BRACE_SPEC.finditer(fmt) for n in re.findall(r"\d+", m.group(1))]
+    for n in numbers:
+        _refuse("a format width", int(n) if len(n) <= 12 else 10 ** 12)
 
 
 def _join_size(sep: str, items: Any) -> int | None:
