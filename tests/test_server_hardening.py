@@ -189,7 +189,7 @@ def test_health_and_schema_agree(server):
 def test_schemathesis_conformance(server):
     """schemathesis (property-based, from /openapi.json): every answer has a documented
     status code and content type and matches its documented schema; no 5xx. Bounded:
-    a few examples per operation, and generation clamped to 2 tokens and 2 choices."""
+    a few examples per operation, and generation clamped to 1 token and 1 choice."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import not_a_server_error
@@ -206,7 +206,7 @@ def test_schemathesis_conformance(server):
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=10, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=8, deadline=None, database=None, derandomize=True,
                   phases=[Phase.explicit, Phase.generate],
                   suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
@@ -222,14 +222,17 @@ def test_schemathesis_conformance(server):
 
 
 def _clamp(body):
-    """Keep generated requests cheap: at most 2 tokens, 2 choices."""
+    """Keep generated requests cheap: one token, one choice (a schema-valid body stays
+    schema-valid)."""
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and body[key] > 2:
-            body[key] = 2
+        if isinstance(body.get(key), int) and body[key] > 1:
+            body[key] = 1
     if "messages" in body and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
-        body["max_completion_tokens"] = 2
-    if isinstance(body.get("n"), int) and body["n"] > 2:
-        body["n"] = 2
+        body["max_completion_tokens"] = 1
+    if isinstance(body.get("n"), int) and body["n"] > 1:
+        body["n"] = 1
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
+        body["min_tokens"] = 1

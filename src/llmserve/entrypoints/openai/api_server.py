@@ -197,8 +197,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         return Response(status_code=200)  # no body, as vLLM's /health
 
     @app.get("/version", responses=responses(VersionResponse))
-    async def version() -> dict:
-        return {"version": __version__}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses(None, media_type="text/plain"))

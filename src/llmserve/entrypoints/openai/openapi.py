@@ -71,11 +71,6 @@ def install_openapi(app: FastAPI, api_key_required: bool = False) -> None:
                     resps.setdefault("401", {"description": ERROR_DESCRIPTIONS[401],
                                              "content": {"application/json": {
                                                  "schema": _ERROR_REF}}})
-                # the 200 of a route without a JSON body must not promise one
-                ok = resps.get("200", {})
-                content = ok.get("content", {})
-                if content.get("application/json", {}).get("schema") == {} and len(content) > 1:
-                    del content["application/json"]
         components = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
