@@ -232,6 +232,8 @@ def _clamp(body):
     if "messages" in body and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = 1
+    if "prompt" in body and body.get("max_tokens") is None:  # 16 by default, or all room
+        body["max_tokens"] = 1
     if isinstance(body.get("n"), int) and body["n"] > 1:
         body["n"] = 1
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
