@@ -64,8 +64,9 @@ def test_limits_are_configurable():
         RenderLimits(timeout_s=0)
     # numbers that are text, not widths, pass: a date in a format string, big loops
     assert render_chat_template("{{ '%s on 20250101' % 'x' }}|{{ '{} 1000000'.format(1) }}|"
-                                "{{ range(100000)|length }}", MSGS) == (
-        "x on 20250101|1 1000000|100000")
+                                "{{ range(100000)|length }}|{% macro f(t) %}{{ t }}{% endmacro %}"
+                                "{{ f(1733000000) }}|{{ x|default(1733000000) }}", MSGS) == (
+        "x on 20250101|1 1000000|100000|1733000000|1733000000")
 
 
 def test_template_names_as_transformers():

@@ -104,7 +104,8 @@ def _check_result(what: str, value: Any) -> Any:
 
 
 def _check_ints(what: str, args: tuple, kwargs: dict) -> None:
-    """Widths, counts and repeats come as integers: none may pass ``max_chars``."""
+    """Widths and counts of string methods and of some filters: none may pass
+    ``max_chars`` (macros and other calls take any integer)."""
     for v in (*args, *kwargs.values()):
         if isinstance(v, int) and not isinstance(v, bool):
             _refuse(f"an argument of {what}", abs(v))
@@ -151,6 +152,10 @@ def _check_str_method(s: str, name: str, args: tuple, kwargs: dict) -> None:
             _refuse("the result of expandtabs", len(s) + s.count("\t") * max(tab, 0))
 
 
+# filters whose integer arguments are sizes (widths, lengths, counts)
+_WIDTH_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
+
+
 def _filter_guard(name: str, func: Any) -> Any:
     """Wrap a filter: integer arguments and the result are bounded, and the filters
     that multiply their input are predicted before they run."""
@@ -158,7 +163,8 @@ def _filter_guard(name: str, func: Any) -> Any:
     @functools.wraps(func)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         values = args[1:] if getattr(func, "jinja_pass_arg", None) else args
-        _check_ints(f"the filter {name}", values[1:], kwargs)
+        if name in _WIDTH_FILTERS:
+            _check_ints(f"the filter {name}", values[1:], kwargs)
         if name == "join" and values:
             sep = values[1] if len(values) > 1 else kwargs.get("d", "")
             size = _join_size(sep if isinstance(sep, str) else "", values[0])
@@ -213,7 +219,8 @@ class BoundedSandboxedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
-        _check_ints(f"{name or 'a call'}()", args, kwargs)
+        if isinstance(owner, (str, list, tuple, dict)):  # widths of 'x'.center(n), ...
+            _check_ints(f"{name}()", args, kwargs)
         if isinstance(owner, str):
             _check_str_method(owner, name, args, kwargs)
         rv = super().call(__context, __obj, *args, **kwargs)
