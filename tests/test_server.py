@@ -272,6 +272,17 @@ ERROR_CASES = [
      "logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
     ("/v1/nothing-here", {}, 404, None, "Not Found"),
+    # request chat templates need --trust-request-chat-template (tests/test_server_hardening.py)
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {
+        "chat_template": "HELLO {{ messages[0]['content'] }}"}}, 400, "chat_template_kwargs",
+     "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1/0 }}"}, 400,
+     "chat_template", "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs", "request field tools"),
+    # the 256 MiB KV cache holds 5808 tokens, less than max_model_len (8192)
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6000}, 400, "max_tokens",
+     "KV cache holds 5808 tokens"),
 ]
 
 

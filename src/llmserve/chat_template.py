@@ -45,7 +45,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_RENDER_TIMEOUT_S = 5.0
-DEFAULT_MAX_RENDERED_CHARS = 1 << 20  # characters; the server raises it for long contexts
+DEFAULT_MAX_RENDERED_CHARS = 1 << 18  # characters; the server raises it for long contexts
 _MAX_EXPONENT_BITS = 1 << 16  # ``a ** b`` may make an integer of at most this many bits
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -104,24 +104,30 @@ def _check_result(what: str, value: Any) -> Any:
 
 
 def _check_ints(what: str, args: tuple, kwargs: dict) -> None:
-    """Widths, counts and repeats come as integers: none may pass ``max_chars``."""
+    """Widths and counts of string methods and of some filters: none may pass
+    ``max_chars`` (macros and other calls take any integer)."""
     for v in (*args, *kwargs.values()):
         if isinstance(v, int) and not isinstance(v, bool):
             _refuse(f"an argument of {what}", abs(v))
 
 
-_FORMAT_NUMBER = re.compile(r"\d+")
+# the width and precision of a %-conversion, and the spec of a {...:spec} field
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
 
 
 def _check_format(fmt: str) -> None:
-    """``'%999999999d' % 1`` or ``'{:>999999999}'.format(1)``: refuse huge widths."""
-    for m in _FORMAT_NUMBER.finditer(fmt):
-        if len(m.group()) > 12:
-            _refuse("a format width", 10 ** 12)
-        _refuse("a format width", int(m.group()))
+    """``'%999999999d' % 1`` or ``'{:>999999999}'.format(1)``: refuse huge widths
+    (digits elsewhere in the string, like a date, are text and fine)."""
+    numbers = [n for m in _PERCENT_SPEC.finditer(fmt) for n in m.groups() if n]
+    numbers += [n for m in _BRACE_SPEC.finditer(fmt) for n in re.findall(r"\d+", m.group(1))]
+    for n in numbers:
+        _refuse("a format width", int(n) if len(n) <= 12 else 10 ** 12)
 
 
 def _join_size(sep: str, items: Any) -> int | None:
+    if isinstance(items, str):  # joins the characters
+        return len(items) + len(sep) * max(len(items) - 1, 0)
     if not isinstance(items, (list, tuple)):
         return None
     parts = [len(x) if isinstance(x, str) else len(str(x)) for x in items]
@@ -146,6 +152,10 @@ def _check_str_method(s: str, name: str, args: tuple, kwargs: dict) -> None:
             _refuse("the result of expandtabs", len(s) + s.count("\t") * max(tab, 0))
 
 
+# filters whose integer arguments are sizes (widths, lengths, counts)
+_WIDTH_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice"})
+
+
 def _filter_guard(name: str, func: Any) -> Any:
     """Wrap a filter: integer arguments and the result are bounded, and the filters
     that multiply their input are predicted before they run."""
@@ -153,8 +163,14 @@ def _filter_guard(name: str, func: Any) -> Any:
     @functools.wraps(func)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         values = args[1:] if getattr(func, "jinja_pass_arg", None) else args
-        _check_ints(f"the filter {name}", values[1:], kwargs)
-        if values and isinstance(values[0], str):
+        if name in _WIDTH_FILTERS:
+            _check_ints(f"the filter {name}", values[1:], kwargs)
+        if name == "join" and values:
+            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+            size = _join_size(sep if isinstance(sep, str) else "", values[0])
+            if size is not None:
+                _refuse("the result of join", size)
+        elif values and isinstance(values[0], str):
             s = values[0]
             if name == "indent":
                 width = values[1] if len(values) > 1 else kwargs.get("width", 4)
@@ -165,11 +181,6 @@ def _filter_guard(name: str, func: Any) -> Any:
                 _check_str_method(s, "replace", values[1:3], {})
             elif name == "format":
                 _check_format(s)
-        elif name == "join" and values:
-            sep = values[1] if len(values) > 1 else kwargs.get("d", "")
-            size = _join_size(sep if isinstance(sep, str) else "", values[0])
-            if size is not None:
-                _refuse("the result of join", size)
         return _check_result(f"the result of the filter {name}", func(*args, **kwargs))
 
     return guarded
@@ -208,7 +219,8 @@ class BoundedSandboxedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
-        _check_ints(f"{name or 'a call'}()", args, kwargs)
+        if isinstance(owner, (str, list, tuple, dict)):  # widths of 'x'.center(n), ...
+            _check_ints(f"{name}()", args, kwargs)
         if isinstance(owner, str):
             _check_str_method(owner, name, args, kwargs)
         rv = super().call(__context, __obj, *args, **kwargs)
@@ -412,7 +424,7 @@ def _render(source: str, context: dict[str, Any], limits: RenderLimits) -> str:
             for piece in _compile(source).generate(**context):
                 total += len(piece)
                 if total > limits.max_chars:
-                    raise _LimitExceeded(f"the rendered text is over the limit of "
+                    raise _LimitExceeded(f"the rendered prompt is over the limit of "
                                          f"{limits.max_chars} characters")
                 pieces.append(piece)
         finally:

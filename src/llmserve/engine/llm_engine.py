@@ -121,6 +121,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.scheduler_config.max_model_len
 
+    @property
+    def max_kv_tokens(self) -> int:
+        """Tokens the whole KV cache holds: no one sequence can grow past this."""
+        return (self.scheduler.kv_cache_manager.num_usable_blocks
+                * self.config.cache_config.block_size)
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A string, or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": str}``).
 

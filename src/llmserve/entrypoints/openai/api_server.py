@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
@@ -44,15 +44,19 @@ from llmserve.entrypoints.openai.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestBodyLimitMiddleware,
 )
+from llmserve.entrypoints.openai.openapi import install_openapi, responses
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -66,9 +70,11 @@ logger = logging.getLogger("llmserve.server")
 class ServerState:
     """What the routes share. ``ready`` is set last, after every handler exists."""
 
-    def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None):
+    def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None,
+                 trust_request_chat_template: bool = False):
         self.served_model_names = list(served_model_names)
         self.max_waiting_requests = max_waiting_requests
+        self.trust_request_chat_template = trust_request_chat_template
         self.stat_logger = PrometheusStatLogger(self.served_model_names[0])
         self.engine: AsyncLLM | None = None
         self.completion: OpenAIServingCompletion | None = None
@@ -83,7 +89,8 @@ class ServerState:
         args = (engine, self.served_model_names, self.max_waiting_requests,
                 self.tokenizer_executor)
         self.completion = OpenAIServingCompletion(*args)
-        self.chat = OpenAIServingChat(*args)
+        self.chat = OpenAIServingChat(
+            *args, trust_request_chat_template=self.trust_request_chat_template)
         self.engine = engine
         self.ready = True
 
@@ -159,7 +166,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               on_load_failure: Callable[[], None] | None = None,
               on_ready: Callable[[AsyncLLM], None] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              public_metrics: bool = False) -> FastAPI:
+              public_metrics: bool = False,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
@@ -169,11 +177,12 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
             engine requests; more is a 503 with ``Retry-After`` (None: no limit).
         max_request_body_bytes: a larger request body is a 413, before it is parsed.
         public_metrics: with ``api_key``, leave ``/metrics`` open (for a scraper).
+        trust_request_chat_template: let chat requests bring their own chat template.
         on_load_failure: called (from the loader thread) when loading fails, e.g. to
             stop the server; ``app.state.server.exit_code`` is then 1.
         on_ready: called (from the loader thread) once the engine runs.
     """
-    state = ServerState(served_model_names, max_waiting_requests)
+    state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template)
 
     def load() -> None:
         try:
@@ -203,22 +212,24 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         app.add_middleware(APIKeyMiddleware, api_key=api_key,
                            open_paths=("/health", "/metrics") if public_metrics else ("/health",))
     _install_error_handlers(app)
+    install_openapi(app, api_key_required=bool(api_key))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         state.require_engine()
-        return Response(status_code=200)
+        return Response(status_code=200)  # no body, as vLLM's /health
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
+    @app.get("/version", responses=responses(VersionResponse))
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=responses(None, media_type="text/plain"))
     async def metrics() -> Response:
         body, content_type = state.stat_logger.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList, 503))
     async def models() -> Response:
         engine = state.require_engine()
         cards = [ModelCard(id=name, root=engine.engine.config.model,
@@ -226,17 +237,19 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
                  for name in state.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              responses=responses(CompletionResponse, 400, 404, 500, 503, stream=True))
     async def completions(req: CompletionRequest, raw_request: Request) -> Response:
         state.require_engine()
         return await state.completion.create_completion(req, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=responses(ChatCompletionResponse, 400, 404, 500, 503, stream=True))
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
         state.require_engine()
         return await state.chat.create_chat_completion(req, raw_request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 404, 503))
     async def tokenize(req: TokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)
@@ -261,7 +274,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         body = await state.chat.run_tokenizer(run)
         return Response(body, media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 404, 503))
     async def detokenize(req: DetokenizeRequest) -> Response:
         engine = state.require_engine()
         state.chat.model_name(req.model)

@@ -8,7 +8,10 @@ priority) and for ``/tokenize`` and ``/detokenize``.
 
 Requests ignore unknown fields (clients send extra ones) but check types strictly:
 ``"temperature": "hot"`` or ``"stream": 1`` is a 400, not a silent coercion.
-Ranges are checked later by :class:`~llmserve.sampling_params.SamplingParams`.
+Ranges are checked later by :class:`~llmserve.sampling_params.SamplingParams` (whose
+messages name the field); the published schema (``/openapi.json``) states the same
+ranges through ``json_schema_extra`` (:func:`_doc`), so a body the schema allows is not
+refused for its shape.
 """
 
 from __future__ import annotations
@@ -17,6 +20,40 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def _doc(default: Any = None, **schema: Any) -> Any:
+    """A field whose JSON schema also states ``schema`` (e.g. ``minimum``); the check
+    itself is done by the handlers, whose messages are clearer than pydantic's."""
+    return Field(default, json_schema_extra=schema)
+
+
+def _set_schema(schema: dict[str, Any]) -> Any:
+    """A field whose JSON schema is ``schema`` (for shapes pydantic cannot state)."""
+    def replace(s: dict[str, Any]) -> None:
+        title = s.get("title")
+        s.clear()
+        s.update(schema, **({"title": title} if title else {}))
+    return replace
+
+
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+]}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                              {"type": "null"}]}}}}
+_JSON_VALUE_DOC = ("extra template variables: JSON values; `chat_template` only with "
+                   "--trust-request-chat-template")
 
 
 class RequestModel(BaseModel):
@@ -50,40 +87,44 @@ class SamplingFields(RequestModel):
     """Fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    temperature: float | None = None  # default 1.0
-    top_p: float | None = None  # default 1.0
-    n: int = 1
+    temperature: float | None = _doc(minimum=0)  # default 1.0
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)  # default 1.0
+    n: int = _doc(1, minimum=1, maximum=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # only empty or absent is accepted
+    stop: str | list[str] | None = Field(None, json_schema_extra=_set_schema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"}]}))
+    seed: int | None = _doc(minimum=-(2**63), maximum=2**64 - 1)
+    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = _doc(maxProperties=0)  # only empty or absent
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = _doc(minimum=-1)
+    min_p: float | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = _doc(0, minimum=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, json_schema_extra=_set_schema({"anyOf": [
+        {"type": "array", "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]}))
     include_stop_str_in_output: bool = False
     priority: int = 0
-    cache_salt: str | None = None  # requests with different salts never share prefix cache
+    cache_salt: str | None = _doc(minLength=1)  # requests with other salts share no cache
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of
     token ids, or a list of lists of token ids (one choice per prompt and ``n``)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # legacy: number of top logprobs per token, 0..20
-    echo: bool = False
-    suffix: str | None = None  # not supported: 400 when set
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=_set_schema(_PROMPT_SCHEMA))
+    max_tokens: int | None = _doc(16, minimum=1)  # OpenAI's default for completions
+    logprobs: int | None = _doc(minimum=0, maximum=20)  # legacy: top logprobs per token
+    echo: bool = False  # not with logprobs (prompt logprobs are not supported yet)
+    suffix: str | None = _doc(maxLength=0)  # not supported: 400 when set
     best_of: int | None = None  # only None or == n
 
 
@@ -91,15 +132,18 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. ``messages`` are checked by
     :func:`llmserve.tokenizer.validate_messages` (roles; string or text-part content)."""
 
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(json_schema_extra=_set_schema(_MESSAGES_SCHEMA))
+    max_tokens: int | None = _doc(minimum=1)  # deprecated by OpenAI: max_completion_tokens
+    max_completion_tokens: int | None = _doc(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _doc(minimum=0, maximum=20)  # needs logprobs=true
     tools: list[dict[str, Any]] | None = None  # handed to the chat template
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # needs add_generation_prompt=false
+    chat_template: str | None = _doc(minLength=1, description=(
+        "a Jinja chat template to use instead of the model's; only with "
+        "--trust-request-chat-template"))
+    chat_template_kwargs: dict[str, Any] | None = _doc(description=_JSON_VALUE_DOC)
 
 
 class TokenizeRequest(RequestModel):
@@ -270,3 +314,7 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str

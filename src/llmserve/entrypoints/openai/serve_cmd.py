@@ -55,6 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-request-body-bytes", type=_body_size, default=None,
                    help="answer 413 to a larger request body, before reading it (bytes, "
                         "or a size such as 4MiB; default 16MiB)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests replace the model's chat template (`chat_template` "
+                        "or `chat_template_kwargs.chat_template`; still sandboxed and "
+                        "bounded); without it such requests are a 400, as in vLLM")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that requests in flight may take to finish after SIGTERM "
                         "before they are aborted (default 30)")
@@ -163,7 +167,8 @@ def run_server(args: argparse.Namespace) -> int:
                     max_request_body_bytes=(args.max_request_body_bytes
                                             or DEFAULT_MAX_REQUEST_BODY_BYTES),
                     public_metrics=args.allow_unauthenticated_metrics,
-                    on_load_failure=on_failure, on_ready=on_ready)
+                    on_load_failure=on_failure, on_ready=on_ready,
+                    trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=host, port=port, log_level=level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S,

@@ -13,6 +13,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from llmserve.chat_template import (
+    DEFAULT_MAX_RENDERED_CHARS,
+    ChatTemplateError,
+    RenderLimits,
+    plain_value,
+)
 from llmserve.engine.async_llm import RequestStream
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -67,20 +73,75 @@ def chat_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: int,
     return ChatCompletionLogProbs(content=content)
 
 
-class OpenAIServingChat(OpenAIServing):
-    """Handler of the chat endpoint (see :class:`OpenAIServing` for the args)."""
+# request fields the template already gets; chat_template_kwargs may not set them
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "documents", "add_generation_prompt",
+                          "continue_final_message")
 
-    def render(self, req: ChatCompletionRequest) -> list[int]:
-        """Chat template -> prompt token ids. Raises APIError 400 for bad messages."""
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of the chat endpoint (see :class:`OpenAIServing` for the args).
+
+    Args:
+        trust_request_chat_template: let requests replace the model's chat template
+            (``chat_template``, or ``chat_template_kwargs.chat_template``), as vLLM's
+            ``--trust-request-chat-template``; otherwise such a request is a 400.
+    """
+
+    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_limits = RenderLimits(
+            max_chars=max(DEFAULT_MAX_RENDERED_CHARS, 32 * self.engine.max_model_len))
+
+    def _template_args(self, req: ChatCompletionRequest) -> tuple[str | None, str, dict]:
+        """(request template or None, the param its errors name, template variables).
+        Raises APIError 400 for a template the operator did not allow or bad kwargs."""
         kwargs = dict(req.chat_template_kwargs or {})
+        source, param = req.chat_template, "chat_template"
+        if "chat_template" in kwargs:
+            source, param = kwargs.pop("chat_template"), "chat_template_kwargs"
+            if req.chat_template is not None:
+                raise bad_request("send the chat template once: chat_template or "
+                                  "chat_template_kwargs.chat_template", param)
+        if source is not None:
+            if not self.trust_request_chat_template:
+                raise bad_request(
+                    f"{param}: this server does not accept chat templates from requests "
+                    f"(the operator allows them with --trust-request-chat-template)", param)
+            if not isinstance(source, str) or not source:
+                raise bad_request(f"{param}: the chat template must be a non-empty string",
+                                  param)
+        for key in RESERVED_TEMPLATE_VARS:
+            if key in kwargs:
+                raise bad_request(f"chat_template_kwargs.{key} is not allowed: set the request "
+                                  f"field {key} instead", "chat_template_kwargs")
+        try:
+            kwargs = plain_value(kwargs, "chat_template_kwargs")
+        except ValueError as e:
+            raise bad_request(str(e), "chat_template_kwargs") from None
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        return source, param, kwargs
+
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        """Chat template -> prompt token ids (CPU work: call it off the event loop, see
+        :meth:`render_prompt`). Raises APIError 400 for bad messages, a refused or
+        failing template, or template variables that are not plain JSON values."""
+        source, param, kwargs = self._template_args(req)
         try:
             return apply_chat_template(self.tokenizer, req.messages,
                                        add_generation_prompt=req.add_generation_prompt,
-                                       tools=req.tools, **kwargs)
-        except (ValueError, TypeError, KeyError) as e:
+                                       tools=req.tools, chat_template=source,
+                                       limits=self.template_limits, **kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param if source is not None else "messages") from None
+        except ValueError as e:
             raise bad_request(str(e), "messages") from None
+
+    async def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """:meth:`render` in a worker thread, so a slow template (up to its time limit)
+        does not stall the other requests."""
+        return await asyncio.to_thread(self.render, req)
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
@@ -93,15 +154,15 @@ class OpenAIServingChat(OpenAIServing):
                               f"{req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         self.check_capacity(req.n)
-        prompt_ids = await self.run_tokenizer(self.render, req)
+        prompt_ids = await self.render_prompt(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                      else req.max_tokens)
         params = self.sampling_params(req, self.check_length(len(prompt_ids), requested, field),
                                       num_top)
         request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [(PromptInput(prompt_ids, cache_salt=req.cache_salt), params)], req.n,
-                                   req.priority)
+        prompt = PromptInput(prompt_ids, cache_salt=req.cache_salt)
+        streams = await self.start(request_id, [(prompt, params)], req.n, req.priority)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -192,28 +192,45 @@ class OpenAIServing:
 
     def check_length(self, prompt_len: int, max_tokens: int | None,
                      field: str = "max_tokens") -> int:
-        """Resolve ``max_tokens`` against the context, as vLLM and OpenAI do.
+        """Resolve ``max_tokens`` against the context and the KV cache, as vLLM and
+        OpenAI do for the context.
+
+        A sequence can never hold more tokens than the whole KV cache
+        (``max_kv_tokens``, which may be less than ``max_model_len`` with a small
+        ``--kv-cache-memory``): a request that would need more is refused here rather
+        than cut short later with ``finish_reason: "length"``.
 
         Returns:
-            ``max_tokens``, or all the room left when it is None.
+            ``max_tokens``, or all the room left (context and KV cache) when it is None.
 
         Raises:
-            APIError 400: the prompt leaves no room, or prompt + max_tokens > max_model_len.
+            APIError 400: the prompt leaves no room, or prompt + max_tokens is over
+                ``max_model_len`` or over what the KV cache holds.
         """
         limit = self.engine.max_model_len
+        kv_tokens = self.engine.engine.max_kv_tokens
         if prompt_len >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"prompt has {prompt_len} tokens (at least one output token must fit). "
                 f"Please reduce the length of the prompt.", "prompt")
-        if max_tokens is None:
-            return limit - prompt_len
-        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > limit:
+        if max_tokens is None:  # a prompt over the KV cache is refused by the engine
+            return max(min(limit, kv_tokens) - prompt_len, 1)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return max_tokens  # SamplingParams says what is wrong
+        total = prompt_len + max_tokens
+        if total > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"requested {total} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} in the completion). Please reduce the length of the prompt "
                 f"or completion.", field)
+        if total > kv_tokens:
+            raise bad_request(
+                f"This server's KV cache holds {kv_tokens} tokens, and one request can never "
+                f"grow past it. However, you requested {total} tokens ({prompt_len} in the "
+                f"prompt, {max_tokens} in the completion). Please reduce {field} to at most "
+                f"{max(kv_tokens - prompt_len, 0)} or the length of the prompt.", field)
         return max_tokens
 
     def sampling_params(self, req: SamplingFields, max_tokens: int,
