@@ -38,9 +38,13 @@ def responses(model: type[BaseModel] | None = None, *errors: int, stream: bool =
     if model is not None:
         out[200] = {"model": model, "description": "success"}
         if stream:
+            # one server-sent event (its fields, as SSE parsers and schemathesis read them)
             out[200]["content"] = {"text/event-stream": {"schema": {
-                "type": "string", "description": "server-sent events, one JSON chunk per "
-                "`data:` line, ending with `data: [DONE]`"}}}
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                               "id": {"type": "string"}, "retry": {"type": "integer"}},
+                "description": "server-sent events, one JSON chunk per `data:` line, "
+                "ending with `data: [DONE]`"}}}
     elif media_type is not None:
         out[200] = {"description": "success",
                     "content": {media_type: {"schema": {"type": "string"}}}}
