@@ -89,6 +89,7 @@ def run_router(args: argparse.Namespace) -> int:
     level = "info" if args.verbose else "warning"
     logging.getLogger("llmserve.router").setLevel(logging.INFO if args.verbose
                                                   else logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied call
     config = uvicorn.Config(app, log_level=level, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

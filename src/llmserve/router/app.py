@@ -90,7 +90,7 @@ class Proxy:
         session = raw.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) and session else None
         req = RouteRequest(block_size=self.block_size)
-        if self.pool.policy.needs_tokens and session is None:
+        if self.pool.policy.needs_tokens:
             ids = await self.tokenize(path, body, {k: v for k, v in headers.items()
                                                    if k.lower() == "authorization"})
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
@@ -114,6 +114,7 @@ class Proxy:
             if reason == "cache_hit":
                 m.cache_hit_tokens.inc(decision.matched_tokens)
             tried.add(w.id)
+            self.pool.routed(req, w, session)  # assume it is cached there from now on
             w.in_flight += 1
             w.breaker.on_send()
             m.requests.labels(w.id).inc()
@@ -140,7 +141,6 @@ class Proxy:
                 await upstream.aclose()
                 self._failed(w, e)
                 continue
-            self.pool.routed(req, w, session)
             media = upstream.headers.get("content-type", "application/json")
             if not stream or chunks is None:
                 await upstream.aclose()
