@@ -149,6 +149,8 @@ def test_shared_prefix_lands_on_worker_that_computed_it(workers):
                 for wid, u in ids.items()}
         other = next(w for w in ids if w != home)
         assert hits[home] >= 3 * 300 and hits[other] == 0, hits
+        print(f"[prefix] home={home} prefix_cache_hits delta={hits} "
+              f"cached_tokens={[c.get('cached_tokens') for c in cached]}")
         assert counter(router.url, "llmserve_router:routing_decisions_total") == 4
         assert counter(router.url, "llmserve_router:cache_hit_tokens_total") >= 3 * 300
     finally:
@@ -158,7 +160,7 @@ def test_shared_prefix_lands_on_worker_that_computed_it(workers):
 async def _burst(url: str, n: int, tag: str) -> list[dict]:
     async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT) as client:
         return await asyncio.gather(*(stream_one(
-            client, url, PREFIX + f"{tag} question {i}: summarize rule {i}.", 12)
+            client, url, PREFIX + f"{tag} question {i}: summarize rule {i}.", 6)
             for i in range(n)))
 
 
@@ -178,6 +180,8 @@ def test_imbalance_past_threshold_spreads(workers):
         by_worker = {w: sum(r["worker"] == w for r in results) for w in ("w0", "w1")}
         assert by_worker["w0"] >= 1 and by_worker["w1"] >= 1, by_worker
         assert "balance" in {r["reason"] for r in results}
+        print(f"[balance] abs=1: per worker {by_worker}, "
+              f"reasons {[r['reason'] for r in results]}")
         text = httpx.get(router.url + "/metrics", timeout=10).text
         assert re.search(r'routing_decisions_total\{reason="balance"\} [1-9]', text), text
     finally:
@@ -199,8 +203,11 @@ def test_workers_join_and_drain(workers):
 
         async def scenario():
             async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT) as client:
-                body = {"prompt": "Count from one to twenty:", "max_tokens": 24,
+                body = {"prompt": "Count from one to twenty:", "max_tokens": 16,
                         "temperature": 0, "stream": True}
+                first = await client.post(router.url + "/v1/completions", json={
+                    "prompt": "Hi", "max_tokens": 1})  # round robin: next one is new_id
+                assert first.headers["x-llmserve-worker"] == "w0"
                 # round robin: find a stream on the new worker
                 for _ in range(2):
                     async with client.stream("POST", router.url + "/v1/completions",
@@ -264,7 +271,7 @@ def test_sigkill_worker_under_load_fails_over(workers):  # keep last: kills work
             b.proc.send_signal(signal.SIGKILL)
             killed_at.append(time.monotonic())
 
-        results = asyncio.run(_steady(router.url, total=21, concurrency=3, kill_after=6,
+        results = asyncio.run(_steady(router.url, total=15, concurrency=3, kill_after=5,
                                       kill=kill))
         assert killed_at and b.proc.wait(timeout=30) == -signal.SIGKILL
         ok, failed = [], []
@@ -286,7 +293,7 @@ def test_sigkill_worker_under_load_fails_over(workers):  # keep last: kills work
         ids = [json.loads(r["events"][0])["id"] for r in ok]
         assert len(ids) == len(set(ids))
         assert all(r["worker"] == "w0" for r in ok if r["t0"] > killed_at[0] + 3.0)
-        assert all(r in ok for r in results[-6:])  # traffic moved to the live worker
+        assert all(r in ok for r in results[-4:])  # traffic moved to the live worker
         # the live worker ran each request it answered exactly once
         served_a = sum(r["worker"] == "w0" for r in ok)
         assert counter(a.url, "llmserve:request_success_total") - done_a0 == served_a
