@@ -1,0 +1,301 @@
+"""The router's HTTP app: an OpenAI-compatible proxy over the worker pool.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (routed by the
+policy), ``GET /v1/models``, ``POST /tokenize``/``/detokenize`` (forwarded to any
+eligible worker), ``GET /health`` (200 while some worker is eligible),
+``GET /metrics`` (:mod:`llmserve.router.metrics`), ``GET/POST /workers`` and
+``DELETE /workers/{id}`` (draining: no new requests; removed when idle).
+
+Retries: an attempt that fails before the client got its first byte (refused
+connection, reset, 5xx status, the worker dying before its first body chunk) is
+retried on another eligible worker, up to ``max_retries`` times (reason
+``failover``). After the first byte went out nothing is retried (no duplicate
+output): a stream cut mid-way ends with an SSE ``error`` event, which the
+``openai`` client raises as an ``APIError``. Response headers
+``x-llmserve-worker`` and ``x-llmserve-route-reason`` say where it went and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmserve.router.health import HealthChecker
+from llmserve.router.policies import RouteRequest
+from llmserve.router.prefix import prompt_block_hashes
+from llmserve.router.state import WorkerPool
+from llmserve.router.worker import Worker
+
+logger = logging.getLogger("llmserve.router")
+FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status)
+
+
+class Proxy:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, block_size: int = 16,
+                 max_retries: int = 2) -> None:
+        self.pool = pool
+        self.client = client
+        self.block_size = block_size
+        self.max_retries = max_retries
+
+    async def tokenize(self, path: str, body: dict, headers: dict) -> list[int]:
+        """Prompt token ids via a worker's ``/tokenize`` ([] when that fails)."""
+        if path.endswith("/completions") and "messages" not in body:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt:
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                return [t for t in prompt if isinstance(t, int)]
+            if not isinstance(prompt, str):
+                return []
+            payload = {"prompt": prompt}
+        else:
+            if not isinstance(body.get("messages"), list):
+                return []
+            payload = {"messages": body["messages"],
+                       "add_generation_prompt": body.get("add_generation_prompt", True)}
+        if body.get("model") is not None:
+            payload["model"] = body["model"]
+        for w in self.pool.eligible()[:2]:
+            try:
+                r = await self.client.post(w.url + "/tokenize", json=payload, headers=headers,
+                                           timeout=10.0)
+                if r.status_code == 200:
+                    return list(r.json().get("tokens") or [])
+            except (httpx.HTTPError, ValueError):
+                continue
+        return []
+
+    async def route(self, path: str, raw: Request) -> Response:
+        data = await raw.body()
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
+        session = raw.headers.get("x-session-id") or body.get("user")
+        session = session if isinstance(session, str) and session else None
+        req = RouteRequest(block_size=self.block_size)
+        if self.pool.policy.needs_tokens:
+            ids = await self.tokenize(path, body, {k: v for k, v in headers.items()
+                                                   if k.lower() == "authorization"})
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            req.num_tokens = len(ids)
+            req.block_hashes = prompt_block_hashes(ids, self.block_size, salt or None)
+        return await self.forward(path, data, headers, req, session,
+                                  stream=bool(body.get("stream")))
+
+    async def forward(self, path: str, data: bytes, headers: dict, req: RouteRequest,
+                      session: str | None, stream: bool) -> Response:
+        tried: set[str] = set()
+        last: Response | None = None
+        m = self.pool.metrics
+        for attempt in range(self.max_retries + 1):
+            decision = self.pool.pick(req, session, exclude=tried)
+            if decision is None:
+                break
+            w = decision.worker
+            reason = "failover" if attempt else decision.reason
+            m.decisions.labels(reason).inc()
+            if reason == "cache_hit":
+                m.cache_hit_tokens.inc(decision.matched_tokens)
+            tried.add(w.id)
+            self.pool.routed(req, w, session)  # assume it is cached there from now on
+            w.in_flight += 1
+            w.breaker.on_send()
+            m.requests.labels(w.id).inc()
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", w.url + path, content=data,
+                                              headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                self._failed(w, e)
+                continue
+            if upstream.status_code >= 500:
+                body = await _safe_read(upstream)
+                self._failed(w, f"status {upstream.status_code}")
+                last = Response(body, upstream.status_code,
+                                media_type=upstream.headers.get("content-type"))
+                continue
+            out_headers = {"x-llmserve-worker": w.id, "x-llmserve-route-reason": reason}
+            try:
+                chunks = upstream.aiter_raw()
+                first = await chunks.__anext__() if stream else await upstream.aread()
+            except StopAsyncIteration:
+                first, chunks = b"", None
+            except httpx.HTTPError as e:
+                await upstream.aclose()
+                self._failed(w, e)
+                continue
+            media = upstream.headers.get("content-type", "application/json")
+            if not stream or chunks is None:
+                await upstream.aclose()
+                self._done(w, upstream.status_code < 500)
+                return Response(first, upstream.status_code, headers=out_headers,
+                                media_type=media)
+            return StreamingResponse(self._relay(w, upstream, first, chunks),
+                                     upstream.status_code, headers=out_headers,
+                                     media_type=media)
+        m.errors.labels("no_worker" if last is None else "upstream_failed").inc()
+        if last is not None:
+            return last
+        return error(503 if not tried else 502,
+                     "no healthy worker is available" if not tried
+                     else f"all {len(tried)} workers tried failed before answering")
+
+    async def _relay(self, w: Worker, upstream: httpx.Response, first: bytes, chunks):
+        ok = False
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+            ok = True
+        except httpx.HTTPError as e:
+            logger.warning("worker %s failed mid-stream: %s", w.id, e)
+            self.pool.metrics.errors.labels("midstream").inc()
+            err = {"error": {"message": f"worker {w.id} failed mid-stream", "type":
+                             "server_error", "param": None, "code": 502}}
+            yield f"\n\ndata: {json.dumps(err)}\n\n".encode()
+        finally:
+            await upstream.aclose()
+            self._done(w, ok)
+
+    def _failed(self, w: Worker, why) -> None:
+        logger.warning("worker %s (%s) failed before the first byte: %s", w.id, w.url, why)
+        w.in_flight -= 1
+        w.breaker.record_failure()
+        if isinstance(why, httpx.ConnectError):
+            w.healthy = False  # refused: do not wait for the next health check
+        self.pool.metrics.retries.labels(w.id).inc()
+        self.pool.maybe_remove(w)
+
+    def _done(self, w: Worker, ok: bool) -> None:
+        w.in_flight -= 1
+        if ok:
+            w.breaker.record_success()
+        else:
+            w.breaker.record_failure()
+        self.pool.maybe_remove(w)
+
+    async def passthrough(self, method: str, path: str, raw: Request) -> Response:
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
+        data = await raw.body()
+        for w in self.pool.eligible():
+            try:
+                r = await self.client.request(method, w.url + path, content=data,
+                                              headers=headers, timeout=30.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        return error(503, "no healthy worker is available")
+
+
+async def _safe_read(r: httpx.Response) -> bytes:
+    try:
+        return await r.aread()
+    except httpx.HTTPError:
+        return b""
+    finally:
+        await r.aclose()
+
+
+def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
+              health_interval_s: float = 2.0, request_timeout_s: float = 600.0) -> FastAPI:
+    """The router app over ``pool``; its health loop runs while the app is up."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=256))
+    proxy = Proxy(pool, client, block_size, max_retries)
+    checker = HealthChecker(pool, client, interval_s=health_interval_s,
+                            timeout_s=max(1.0, min(5.0, 2 * health_interval_s)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await checker.run_once()
+        task = asyncio.create_task(checker.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="llmserve router", lifespan=lifespan)
+    app.state.pool = pool
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxy.route("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await proxy.route("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        return await proxy.passthrough("GET", "/v1/models", raw)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await proxy.passthrough("POST", "/tokenize", raw)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await proxy.passthrough("POST", "/detokenize", raw)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if pool.eligible():
+            return Response(status_code=200)
+        return error(503, "no healthy worker is available")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, ctype = pool.metrics.render(list(pool.workers.values()))
+        return Response(body, media_type=ctype)
+
+    @app.get("/workers")
+    async def list_workers() -> dict:
+        return {"policy": pool.policy.name,
+                "workers": [w.describe() for w in pool.workers.values()]}
+
+    @app.post("/workers")
+    async def add_worker(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError:
+            return error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            return error(400, "send {\"url\": \"http://host:port\"}", "url")
+        wid = body.get("id")
+        if wid is not None and not isinstance(wid, str):
+            return error(400, "id must be a string", "id")
+        try:
+            w = pool.add(body["url"], wid)
+        except ValueError as e:
+            return error(409 if "already" in str(e) else 400, str(e), "url")
+        await checker.check(w)
+        return JSONResponse(w.describe(), status_code=201)
+
+    @app.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str) -> Response:
+        try:
+            w = pool.drain(worker_id)
+        except KeyError:
+            return error(404, f"no worker with id {worker_id!r}", "id")
+        return JSONResponse({**w.describe(), "removed": worker_id not in pool.workers})
+
+    return app

@@ -1,0 +1,89 @@
+"""Active health checks and load scrapes.
+
+Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy) and
+``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``). A refused
+connection marks a worker unhealthy at once; other failures (timeouts, non-200)
+after ``unhealthy_threshold`` in a row. One success makes it healthy again and
+closes its circuit breaker. A worker without ``llmserve:`` metrics (a third-party
+server) keeps ``load.scraped = False`` and is balanced by router in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.router.state import WorkerPool
+from llmserve.router.worker import Worker, WorkerLoad
+
+logger = logging.getLogger("llmserve.router")
+
+LOAD_GAUGES = {"llmserve:num_requests_running": "num_requests_running",
+               "llmserve:num_requests_waiting": "num_requests_waiting",
+               "llmserve:kv_cache_usage_perc": "kv_cache_usage_perc"}
+
+
+def parse_load(text: str) -> WorkerLoad:
+    """The load gauges in a Prometheus text page (summed over label sets)."""
+    load = WorkerLoad()
+    for family in text_string_to_metric_families(text):
+        field = LOAD_GAUGES.get(family.name)
+        if field is None:
+            continue
+        setattr(load, field, sum(s.value for s in family.samples))
+        load.scraped = True
+    return load
+
+
+class HealthChecker:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 2.0,
+                 timeout_s: float = 2.0, unhealthy_threshold: int = 2) -> None:
+        self.pool = pool
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.unhealthy_threshold = unhealthy_threshold
+        self._fails: dict[str, int] = {}
+
+    async def check(self, w: Worker) -> None:
+        try:
+            r = await self.client.get(w.url + "/health", timeout=self.timeout_s)
+            ok = r.status_code == 200
+        except httpx.ConnectError:
+            self._fails[w.id] = self.unhealthy_threshold
+            ok = False
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            if not w.healthy:
+                logger.warning("worker %s (%s) is healthy again", w.id, w.url)
+            self._fails[w.id] = 0
+            w.healthy = True
+            w.breaker.record_success()
+            try:
+                m = await self.client.get(w.url + "/metrics", timeout=self.timeout_s)
+                if m.status_code == 200:
+                    w.load = parse_load(m.text)
+            except (httpx.HTTPError, ValueError):
+                pass
+            return
+        n = self._fails.get(w.id, 0) + (0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold
+                                        else 1)
+        self._fails[w.id] = n
+        if n >= self.unhealthy_threshold and w.healthy:
+            logger.warning("worker %s (%s) is unhealthy", w.id, w.url)
+            w.healthy = False
+
+    async def run_once(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # never let the loop die
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,107 @@
+"""``cache_aware``: longest cached prefix, unless load is out of balance.
+
+Per request, with ``loads`` the router's in-flight counts of the eligible workers::
+
+    imbalanced = max(loads) - min(loads) > balance_abs_threshold
+                 and max(loads) > min(loads) * balance_rel_threshold
+    imbalanced                          -> least-loaded worker        (reason "balance")
+    best match / prompt blocks >= cache_threshold -> best-match worker (reason "cache_hit")
+    otherwise                           -> least-loaded worker        (reason "miss")
+
+A miss goes to the least-loaded worker, never to the one with the smallest tree
+(SGLang PR 14305: sending every miss to the smallest tree melts it).
+
+The router's view of a worker's cache is approximate: the chained block hashes
+(:mod:`llmserve.router.prefix`, the engine's own hash) of every prompt it routed
+there, in an LRU bounded by ``max_blocks_per_worker``. Workers do not publish
+their cache contents yet; between updates (today: always) the router assumes what
+it routed is cached. Because hashes are chained, block i matching means the whole
+prefix up to i matches. Source: SGLang router ``cache_aware`` (approximate radix
+tree per worker; ``balance_abs_threshold``, ``balance_rel_threshold``,
+``cache_threshold``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from llmserve.router.policies.base import (
+    Decision,
+    RouteRequest,
+    RoutingPolicy,
+    least_loaded,
+    register_policy,
+)
+from llmserve.router.worker import Worker
+
+
+@register_policy
+class CacheAwarePolicy(RoutingPolicy):
+    """Args: ``balance_abs_threshold`` (requests, default 32), ``balance_rel_threshold``
+    (ratio, default 1.1), ``cache_threshold`` (fraction of prompt blocks, default 0.3),
+    ``max_blocks_per_worker`` (LRU bound of the per-worker view).
+
+    Raises:
+        ValueError: a negative threshold, a ratio < 1, or a bound < 1.
+    """
+
+    name = "cache_aware"
+    needs_tokens = True
+
+    def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
+                 cache_threshold: float = 0.3, max_blocks_per_worker: int = 200_000) -> None:
+        if balance_abs_threshold < 0:
+            raise ValueError("balance_abs_threshold must be >= 0")
+        if balance_rel_threshold < 1.0:
+            raise ValueError("balance_rel_threshold must be >= 1.0")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
+        if max_blocks_per_worker < 1:
+            raise ValueError("max_blocks_per_worker must be >= 1")
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+
+    def matched_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` the router believes ``worker_id`` holds."""
+        held = self._blocks.get(worker_id)
+        if not held:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def is_imbalanced(self, workers: list[Worker]) -> bool:
+        loads = [w.in_flight for w in workers]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        if len(workers) > 1 and self.is_imbalanced(workers):
+            return Decision(least_loaded(workers), "balance")
+        total = len(request.block_hashes)
+        if total:
+            best, best_n = None, 0
+            for w in sorted(workers, key=lambda w: (w.in_flight, w.id)):
+                n = self.matched_blocks(w.id, request.block_hashes)
+                if n > best_n:
+                    best, best_n = w, n
+            if best is not None and best_n / total >= self.cache_threshold:
+                return Decision(best, "cache_hit", best_n * request.block_size)
+        return Decision(least_loaded(workers), "miss")
+
+    def on_routed(self, request: RouteRequest, worker: Worker) -> None:
+        held = self._blocks.setdefault(worker.id, OrderedDict())
+        for h in request.block_hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.max_blocks_per_worker:
+            held.popitem(last=False)
+
+    def on_remove(self, worker_id: str) -> None:
+        self._blocks.pop(worker_id, None)

@@ -1,0 +1,20 @@
+"""``round_robin``: each request to the next eligible worker in id order."""
+
+from __future__ import annotations
+
+from llmserve.router.policies.base import Decision, RouteRequest, RoutingPolicy, register_policy
+from llmserve.router.worker import Worker
+
+
+@register_policy
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        ordered = sorted(workers, key=lambda w: w.id)
+        worker = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Decision(worker, "round_robin")
