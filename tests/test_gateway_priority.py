@@ -73,12 +73,12 @@ def test_vip_key_overtakes_queued_bulk_requests(lane):
         time.sleep(0.02)
     assert "b0" in first_token, errors  # b0 runs: the worker's one sequence slot is taken
     for name in ("b1", "b2", "b3"):
-        threads.append(threading.Thread(target=stream, args=(name, bulk, 6), daemon=True))
+        threads.append(threading.Thread(target=stream, args=(name, bulk, 3), daemon=True))
         threads[-1].start()
     wait_metrics(worker.url, lambda m: m["llmserve:num_requests_waiting"] == 3
                  or len(first_token) > 1, timeout=60)
     assert len(first_token) == 1, first_token  # b1..b3 all queued behind b0, none started
-    threads.append(threading.Thread(target=stream, args=("vip", vip, 6), daemon=True))
+    threads.append(threading.Thread(target=stream, args=("vip", vip, 3), daemon=True))
     threads[-1].start()
     for t in threads:
         t.join(timeout=180)
