@@ -85,12 +85,14 @@ class GatewayProc:
                 self.proc.wait()
 
 
-def start_gateway(upstream: str, redis_url: str, config: str | None = None) -> GatewayProc:
+def start_gateway(upstream: str, redis_url: str, config: str | None = None,
+                  *extra: str) -> GatewayProc:
     fd, log_path = tempfile.mkstemp(prefix="llmserve-gw-", suffix=".log")
     cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "gateway", "--port", "0",
            "--upstream", upstream, "--redis-url", redis_url]
     if config:
         cmd += ["--config", config]
+    cmd += list(extra)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMSERVE_MASTER_KEY": MASTER_KEY}
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

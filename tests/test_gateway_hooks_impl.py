@@ -69,3 +69,30 @@ def test_audit_adapter(tmp_path):
     assert stored["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     assert stored["latency_ms"] == 500.0 and stored["redactions"] == {"email": 2}
     assert log.verify().ok
+
+
+def test_config_audit_db_and_safety_build_the_adapters(tmp_path):
+    from llmserve.gateway.cli import hooks_from_config
+    from llmserve.gateway.config import GatewayConfig, load_yaml
+
+    db = tmp_path / "audit.db"
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(f"audit_db: sqlite:///{db}\naudit_redact: {{default: [email]}}\n"
+                   "safety:\n  default: {input: [{check: pii, action: mask}]}\n")
+    config = GatewayConfig(upstreams=("http://127.0.0.1:1",), redis_url="redis://x",
+                           **load_yaml(str(cfg)))
+    h = hooks_from_config(config)
+    assert isinstance(h["audit"], GatewayAudit) and h["audit"].log.url == f"sqlite:///{db}"
+    assert h["audit"].redact == {"default": ["email"]}
+    v = asyncio.run(h["safety"].check_input({"prompt": "to a@b.com"}, _ctx(team="any")))
+    assert v.body == {"prompt": "to [EMAIL]"}
+    assert hooks_from_config(GatewayConfig(upstreams=("http://h",), redis_url="redis://x")) == {}
+
+    cfg.write_text("safety:\n  research: {output: [{check: nope}]}\n")
+    with pytest.raises(ValueError, match=r"safety\.research: unknown safety check 'nope'"):
+        load_yaml(str(cfg))
+    cfg.write_text("audit_redact: {default: 3}\n")
+    with pytest.raises(ValueError, match="audit_redact"):
+        load_yaml(str(cfg))
+    with pytest.raises(ValueError, match="--audit-db"):
+        GatewayConfig(upstreams=("http://h",), redis_url="redis://x", audit_db="mysql://db")

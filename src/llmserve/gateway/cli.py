@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base URL of an OpenAI-compatible server (repeatable)")
     p.add_argument("--redis-url", required=True,
                    help="redis://HOST:PORT/DB, rediss://... or unix:///path/redis.sock")
-    p.add_argument("--config", default=None, help="gateway.yaml: teams, keys, limits")
+    p.add_argument("--config", default=None,
+                   help="gateway.yaml: teams, keys, limits, audit_db, safety policies")
+    p.add_argument("--audit-db", default=None, metavar="URL",
+                   help="audit log: sqlite:///PATH or postgresql://... (overrides audit_db "
+                        "in the config; default: no audit log)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 = a free port")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
@@ -42,12 +46,14 @@ def run(args) -> int:
     from llmserve.gateway.config import GatewayConfig, load_yaml
 
     extra = load_yaml(args.config) if args.config else {}
+    if args.audit_db:
+        extra["audit_db"] = args.audit_db
     config = GatewayConfig(
         upstreams=tuple(u.rstrip("/") for u in args.upstream), redis_url=args.redis_url,
         master_key=os.environ.get("LLMSERVE_MASTER_KEY") or None,
         upstream_api_key=os.environ.get("LLMSERVE_UPSTREAM_API_KEY") or None,
         upstream_timeout_s=args.upstream_timeout, **extra)
-    app = build_app(config)
+    app = build_app(config, **hooks_from_config(config))
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:
         sock = socket.create_server((args.host, args.port), family=family, backlog=2048)
@@ -60,6 +66,23 @@ def run(args) -> int:
                         access_log=args.verbose, timeout_graceful_shutdown=5)
     uvicorn.Server(uv).run(sockets=[sock])
     return 0
+
+
+def hooks_from_config(config) -> dict:
+    """``audit`` / ``safety`` keyword arguments of ``build_app`` from the config: an
+    :class:`~.integration.GatewayAudit` on ``config.audit_db`` and a
+    :class:`~.integration.GatewaySafety` on ``config.safety`` (each only when set)."""
+    out = {}
+    if config.audit_db or config.safety:
+        from llmserve.gateway.integration import GatewayAudit, GatewaySafety
+
+        if config.audit_db:
+            from llmserve.gateway.audit import AuditLog
+
+            out["audit"] = GatewayAudit(AuditLog(config.audit_db), config.audit_redact)
+        if config.safety:
+            out["safety"] = GatewaySafety(config.safety)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,11 @@ YAML layout (every section optional)::
          key_hash: "sha256$<salt hex>$<digest hex>",   # from `python -m llmserve.gateway.keys new`
          models: null, rpm: 10, tpm: null, max_parallel_requests: null,
          daily_token_quota: null, priority: -1, expires_at: null}
+    audit_db: sqlite:///var/llmserve/audit.db   # or postgresql://...; --audit-db overrides
+    audit_redact: {default: [email], research: all}   # PII types masked in the stored copy
+    safety:                          # team -> policy (safety/pipeline.py); "default" for
+      default: {input: [{check: pii, action: mask}]}  # teams not listed
+      research: {input: [{check: injection}], output: [{check: harmful}]}
 
 Limits left out or ``null`` are unlimited. Keys and teams from the file are written to
 Redis only where absent, so run-time admin changes survive a restart.
@@ -81,6 +86,9 @@ class GatewayConfig:
     teams: dict[str, dict] = field(default_factory=dict)
     keys: tuple[dict, ...] = ()
     upstream_timeout_s: float = 600.0
+    audit_db: str | None = None
+    audit_redact: dict[str, Any] = field(default_factory=dict)
+    safety: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -102,6 +110,10 @@ class GatewayConfig:
         if unknown:
             raise ValueError(f"fail_open: unknown name(s) {sorted(unknown)}; "
                              f"allowed {list(FAIL_OPEN_NAMES)}")
+        if self.audit_db is not None and not self.audit_db.startswith(
+                ("sqlite:///", "postgresql://", "postgres://")):
+            raise ValueError(f"--audit-db must be sqlite:///PATH or postgresql://..., "
+                             f"got {self.audit_db!r}")
 
 
 def load_yaml(path: str) -> dict:
@@ -117,7 +129,8 @@ def load_yaml(path: str) -> dict:
         raise ValueError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: the top level must be a mapping")
-    allowed = {"max_body_bytes", "key_cache_ttl_s", "fail_open", "teams", "keys"}
+    allowed = {"max_body_bytes", "key_cache_ttl_s", "fail_open", "teams", "keys",
+               "audit_db", "audit_redact", "safety"}
     unknown = set(raw) - allowed
     if unknown:
         raise ValueError(f"--config {path}: unknown field(s) {sorted(unknown)}")
@@ -152,4 +165,33 @@ def load_yaml(path: str) -> dict:
         rec.update(id=k["id"], key_hash=k["key_hash"])
         checked.append(rec)
     out["keys"] = tuple(checked)
+    out.update(_audit_and_safety(path, raw))
+    return out
+
+
+def _audit_and_safety(path: str, raw: dict) -> dict:
+    """``audit_db``, ``audit_redact`` and ``safety`` (each policy built once to check it)."""
+    out: dict[str, Any] = {}
+    if raw.get("audit_db") is not None:
+        if not isinstance(raw["audit_db"], str):
+            raise ValueError(f"{path}: 'audit_db' must be a URL string")
+        out["audit_db"] = raw["audit_db"]
+    redact = raw.get("audit_redact") or {}
+    if not isinstance(redact, dict) or not all(
+            v == "all" or (isinstance(v, list) and all(isinstance(t, str) for t in v))
+            for v in redact.values()):
+        raise ValueError(f"{path}: 'audit_redact' must map team -> \"all\" or a list of "
+                         f"PII types")
+    out["audit_redact"] = {str(k): v for k, v in redact.items()}
+    safety = raw.get("safety") or {}
+    if not isinstance(safety, dict):
+        raise ValueError(f"{path}: 'safety' must map team (or 'default') -> policy")
+    from llmserve.gateway.safety import SafetyPipeline
+
+    for team, policy in safety.items():
+        try:
+            SafetyPipeline.from_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"{path}: safety.{team}: {e}") from None
+    out["safety"] = {str(k): v for k, v in safety.items()}
     return out
