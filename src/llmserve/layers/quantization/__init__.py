@@ -3,8 +3,9 @@
 =============  ==========================================================================
 ``none``       dequantize every tensor to ``--dtype`` at load (dense matmuls)
 ``gguf-native``  GGUF Q4_0 / Q4_1 / Q8_0 through PyTorch's int4 CPU kernel, packed only
-``gguf-hybrid``  the same for steps of <= 8 tokens, plus a dense bf16 copy for larger steps
-``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations, else ``none``
+``gguf-hybrid``  the same for decode rows, plus a dense bf16 copy for prompt rows
+``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations (``gguf-native``
+               with ``--deterministic``: one kernel for all rows), else ``none``
 =============  ==========================================================================
 
 Usage (the engine does this when it loads a model)::
@@ -40,16 +41,13 @@ def get_quantization_config(name: str, dtype: torch.dtype | None = None,
         return None
     import torch
 
-    from llmserve.layers.quantization.gguf_native import (
-        DEFAULT_DENSE_THRESHOLD,
-        GGUFNativeConfig,
-    )
+    from llmserve.layers.quantization.gguf_native import GGUFNativeConfig
 
     dtype = torch.bfloat16 if dtype is None else dtype
     if name == "gguf-native":
-        return GGUFNativeConfig(dtype, dense_threshold=None)
+        return GGUFNativeConfig(dtype, dense_prefill=False)
     if name == "gguf-hybrid":
-        return GGUFNativeConfig(dtype, dense_threshold=DEFAULT_DENSE_THRESHOLD)
+        return GGUFNativeConfig(dtype, dense_prefill=True)
     raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
 
 
@@ -59,8 +57,8 @@ def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def resolve_quantization(name: str, *, model_kind: str, dtype: str,
-                         device: str) -> QuantizationConfig | None:
+def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
+                         deterministic: bool = False) -> QuantizationConfig | None:
     """Resolve ``--quantization`` against the model format, dtype and device.
 
     Args:
@@ -68,6 +66,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
         model_kind: ``"gguf"`` or ``"hf"`` (``ModelSource.kind``).
         dtype: the resolved engine dtype (``"bfloat16"``, ``"float32"``, ...).
         device: the resolved device (``"cpu"``, ``"cuda:0"``, ...).
+        deterministic: batch-invariant mode; ``auto`` then picks ``gguf-native`` (every
+            row runs the packed kernel, so the dense copy of ``gguf-hybrid`` is unused).
 
     Returns:
         A config, or None for dense weights.
@@ -82,7 +82,9 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
         and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
     if name == "auto":
-        return get_quantization_config("gguf-hybrid") if runnable else None
+        if not runnable:
+            return None
+        return get_quantization_config("gguf-native" if deterministic else "gguf-hybrid")
     if name == "none" or runnable:
         return get_quantization_config(name)
     why = ("needs torch >= 2.6 (torch.ops.aten._weight_int4pack_mm_for_cpu)"
