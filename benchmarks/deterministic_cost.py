@@ -28,12 +28,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps-w3", type=int, default=None, help="W3 repetitions (default: compare.py's)")
+    ap.add_argument("--reps-small", type=int, default=None, help="W1/W2 repetitions")
+    ap.add_argument("--w1-new", type=int, default=None, help="W1 new tokens (default 256)")
+    ap.add_argument("--w3-n", type=int, default=None, help="W3 prompts (default 64)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "deterministic.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     size = dict(QUICK if args.quick else FULL)
-    if args.reps_w3:
-        size["reps_w3"] = args.reps_w3
+    for key, value in (("reps_w3", args.reps_w3), ("reps_small", args.reps_small),
+                       ("w1_new", args.w1_new), ("w3_n", args.w3_n)):
+        if value:
+            size[key] = value
     t0 = time.perf_counter()
     engines = [LLMServeContestant("default", "bfloat16", "auto", "1GiB", max_num_seqs=64),
                LLMServeContestant("deterministic", "bfloat16", "auto", "1GiB", max_num_seqs=64,
