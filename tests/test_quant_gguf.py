@@ -127,18 +127,19 @@ def test_mixed_native_and_float_shards_stay_dense():
     assert torch.equal(layer.weight.data, torch.cat([q.dequantize(), k_float, v.dequantize()]))
 
 
-def test_hybrid_uses_dense_copy_for_large_steps():
-    config = GGUFNativeConfig(torch.float32, dense_threshold=2)
+def test_hybrid_uses_dense_copy_for_prompt_rows_packed_for_decode_rows():
+    config = GGUFNativeConfig(torch.float32, dense_prefill=True)
     t = quantized("Q4_1", 32, 64, config)
     layer = Linear(64, 32)
     layer.weight_loader(layer.weight, t)
     assert torch.equal(layer.weight.data, t.dequantize())  # the dense copy
-    method = layer.quant_method
-    method.packed = None  # large steps must not touch the packed weight
     x = torch.randn(3, 64)
-    assert torch.equal(layer(x), F.linear(x, t.dequantize()))
-    with pytest.raises(RuntimeError):
-        layer(x[:2])
+    packed = layer.quant_method.packed.matmul
+    for rows in (1, 3):  # the decode path's closure: the packed kernel at any M
+        assert torch.equal(layer.matmul_fn()(x[:rows]), packed(x[:rows]))
+    layer.quant_method.packed = None  # the module path (prompt rows) never touches it
+    for rows in (1, 2, 3):
+        torch.testing.assert_close(layer(x[:rows]), F.linear(x[:rows], t.dequantize()))
 
 
 def test_resolve_quantization():
@@ -146,7 +147,9 @@ def test_resolve_quantization():
                                 device="cpu").name == "gguf-hybrid"
     assert resolve_quantization("auto", model_kind="gguf", dtype="float32", device="cpu") is None
     assert resolve_quantization("auto", model_kind="hf", dtype="bfloat16", device="cpu") is None
-    assert get_quantization_config("gguf-native").dense_threshold is None
+    assert not get_quantization_config("gguf-native").dense_prefill
+    assert resolve_quantization("auto", model_kind="gguf", dtype="bfloat16", device="cpu",
+                                deterministic=True).name == "gguf-native"
     with pytest.raises(ValueError, match="--dtype bfloat16"):
         resolve_quantization("gguf-native", model_kind="gguf", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="GGUF model"):

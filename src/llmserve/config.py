@@ -411,6 +411,9 @@ class EngineConfig:
     attention_backend: str = "cpu"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # batch-invariant mode (--deterministic): every token computed as a one-token decode
+    # through one kernel path, so batching, chunking and prefix-cache hits change no bits
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

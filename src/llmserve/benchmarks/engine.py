@@ -27,7 +27,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         packed = getattr(getattr(module, "quant_method", None), "packed", None)
-        if packed is not None:  # gguf-hybrid also decodes small batches from packed weights
+        if packed is not None:  # gguf-hybrid decodes from the packed weights too
             total += packed.nbytes()
         elif hasattr(module, "quant_method"):
             total += module.weight.numel() * module.weight.element_size()

@@ -48,7 +48,8 @@ class LLMServeContestant(Contestant):
     """llmserve's offline ``LLM`` with one weight format (``quantization``, ``dtype``)."""
 
     def __init__(self, name: str, dtype: str, quantization: str, kv_cache_memory: str,
-                 max_num_seqs: int = 64, max_model_len: int = 1024) -> None:
+                 max_num_seqs: int = 64, max_model_len: int = 1024,
+                 deterministic: bool = False) -> None:
         from dataclasses import fields
 
         from llmserve import LLM
@@ -58,6 +59,8 @@ class LLMServeContestant(Contestant):
         kw = {}
         if "enable_prefix_caching" in {f.name for f in fields(EngineArgs)}:
             kw["enable_prefix_caching"] = False  # every measurement computes its prompt
+        if deterministic:
+            kw["deterministic"] = True
         self.name = name
         self.llm = LLM(dtype=dtype, quantization=quantization,
                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,

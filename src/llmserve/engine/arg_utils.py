@@ -75,6 +75,28 @@ def default_kv_cache_memory(device: str) -> int:
     return int(min(avail * DEFAULT_KV_CACHE_RAM_FRACTION, DEFAULT_KV_CACHE_MEMORY_CAP))
 
 
+def check_deterministic_supported(device: str, dtype: str, attention_backend: str) -> None:
+    """``--deterministic`` runs every token through the CPU decode kernels.
+
+    Raises:
+        ValueError: another device, dtype or attention backend, or no C kernels.
+    """
+    why = None
+    if device != "cpu":
+        why = f"device {device!r} (it needs the CPU kernels: --device cpu)"
+    elif dtype not in ("float32", "bfloat16"):
+        why = f"dtype {dtype!r} (use --dtype bfloat16 or float32)"
+    elif attention_backend != "cpu":
+        why = f"attention backend {attention_backend!r} (use --attention-backend cpu)"
+    else:
+        from llmserve.kernels import get_cpu_kernels
+
+        if get_cpu_kernels() is None:
+            why = "this machine: the C kernels could not be built (is a C compiler installed?)"
+    if why is not None:
+        raise ValueError(f"deterministic mode is not supported with {why}")
+
+
 @dataclass
 class EngineArgs:
     """Engine options with vLLM's names. See ``llmserve generate --help``."""
@@ -97,6 +119,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
     num_cpu_blocks_override: int | None = None
+    deterministic: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -137,6 +160,10 @@ class EngineArgs:
                             "later, or swap it to host memory and back")
         g.add_argument("--swap-space", type=float, default=4.0,
                        help="host memory for swapped KV, GiB (with --preemption-mode swap)")
+        g.add_argument("--deterministic", action="store_true", default=False,
+                       help="batch-invariant mode: greedy outputs and logprobs do not depend on "
+                            "batching, prefill chunking or prefix-cache hits (every token runs "
+                            "through one kernel path; slower prefill, see docs/benchmarks.md)")
         return parser
 
     @classmethod
@@ -169,6 +196,8 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.deterministic:
+            check_deterministic_supported(device, dtype, self.attention_backend)
         kv_mem = (parse_size(self.kv_cache_memory, "kv_cache_memory")
                   if self.kv_cache_memory is not None else default_kv_cache_memory(device))
         return EngineConfig(
@@ -187,4 +216,4 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 preemption_mode=self.preemption_mode),
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
-            extra={"quantization": self.quantization})
+            extra={"quantization": self.quantization}, deterministic=bool(self.deterministic))

@@ -14,6 +14,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
+from llmserve.layers.batch_invariant import make_batch_invariant
 from llmserve.layers.quantization import resolve_quantization
 from llmserve.loader import (
     checkpoint_quantization,
@@ -99,7 +100,8 @@ class LLMEngine:
         model_config = config.model_config  # with the served max_model_len
         quant = resolve_quantization(args.quantization, model_kind=source.kind,
                                      dtype=config.dtype, device=config.device,
-                                     checkpoint=checkpoint_quantization(source))
+                                     checkpoint=checkpoint_quantization(source),
+                                     deterministic=config.deterministic)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         tokenizer = load_tokenizer(source)
@@ -110,6 +112,8 @@ class LLMEngine:
         model.load_weights(iter_weights(source, model_config, quantization=quant))
         if quant is not None:
             quant.process_model(model)
+        if config.deterministic:  # dense layers: fixed-shape row chunks (batch_invariant.py)
+            make_batch_invariant(model)
         model.eval()
         logger.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name,
                     model_config.architecture, config.dtype, quant.name if quant else "dense",

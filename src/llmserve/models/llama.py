@@ -167,20 +167,46 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
-        residual = None
+        nd = getattr(attn_metadata, "num_decodes", 0)
+        if nd and getattr(attn_metadata, "num_prefills", 0) and \
+                hasattr(attn_metadata, "split_decodes"):
+            # a mixed step runs its decode rows and its prompt rows as two passes, so a
+            # decode takes the decode path's kernels whatever shares its step (batch
+            # invariance, issue 20; sequences never see each other in attention)
+            decode_md, prefill_md = attn_metadata.split_decodes()
+            step = CpuDecodeStep.build(hidden_states[:nd], cos[:nd], sin[:nd], kv_caches,
+                                       decode_md)
+            if step is not None:
+                hd, rd = self._decode_layers(step, hidden_states[:nd], kv_caches)
+                hp, rp = self._layers(hidden_states[nd:], cos[nd:], sin[nd:], kv_caches,
+                                      prefill_md)
+                hidden_states, _ = self.norm(torch.cat([hd, hp]), torch.cat([rd, rp]))
+                return hidden_states
         # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
         step = (CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
                 if self.use_cpu_decode_path else None)
         if step is not None:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = decode_layer(layer, step, hidden_states, residual,
-                                                       kv_cache)
+            hidden_states, residual = self._decode_layers(step, hidden_states, kv_caches)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = layer.forward(hidden_states, residual, cos, sin,
-                                                        kv_cache, attn_metadata)
+            hidden_states, residual = self._layers(hidden_states, cos, sin, kv_caches,
+                                                   attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _decode_layers(self, step: CpuDecodeStep, hidden_states: torch.Tensor,
+                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = decode_layer(layer, step, hidden_states, residual, kv_cache)
+        return hidden_states, residual
+
+    def _layers(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, kv_cache,
+                                                    attn_metadata)
+        return hidden_states, residual
 
 
 class LlamaForCausalLM(nn.Module):

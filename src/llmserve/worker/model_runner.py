@@ -23,6 +23,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.layers.attention import CommonAttentionMetadata
+from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import Sampler, build_sampling_metadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -176,8 +177,13 @@ class ModelRunner:
                 logits_idx.append(offset - 1)
                 sample_states.append(state)
         input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
-        positions = torch.from_numpy(np.concatenate(pos_parts))
-        qsl = np.zeros(len(states) + 1, dtype=np.int64)
+        pos_np = np.concatenate(pos_parts)
+        positions = torch.from_numpy(pos_np)
+        if getattr(self.config, "deterministic", False):  # each token a one-token decode
+            query_lens, seq_lens, block_table = per_token_metadata(query_lens, pos_np,
+                                                                   block_table)
+            num_decodes = len(query_lens)
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(self.device),

@@ -74,6 +74,18 @@ class CpuAttentionMetadata:
             self.variants[window] = variant
         return variant
 
+    def split_decodes(self) -> tuple[CpuAttentionMetadata, CpuAttentionMetadata]:
+        """``(decodes only, prefills only)`` of a mixed step, for running the decode
+        rows and the prompt rows as two passes (models/llama.py: a decode then takes
+        the same kernels whether or not prompts share its step)."""
+        nd = self.num_decodes
+        decodes = CpuAttentionMetadata(self.slot_mapping[:nd], nd, 0, self.decode_block_table,
+                                       self.decode_seq_lens, self.decode_mask,
+                                       self.sliding_window, [])
+        prefills = CpuAttentionMetadata(self.slot_mapping[nd:], 0, self.num_prefills, None,
+                                        None, None, self.sliding_window, self.prefills)
+        return decodes, prefills
+
 
 @dataclass
 class PrefillSeq:

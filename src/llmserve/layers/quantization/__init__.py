@@ -3,9 +3,10 @@
 =============  ==========================================================================
 ``none``       dequantize every tensor to ``--dtype`` at load (dense matmuls)
 ``gguf-native``  GGUF Q4_0 / Q4_1 / Q8_0 through PyTorch's int4 CPU kernel, packed only
-``gguf-hybrid``  the same for steps of <= 8 tokens, plus a dense bf16 copy for larger steps
-``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations; a
-               quantized safetensors checkpoint's own method on CPU; else ``none``
+``gguf-hybrid``  the same for decode rows, plus a dense bf16 copy for prompt rows
+``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations (``gguf-native``
+               with ``--deterministic``: one kernel for all rows); a quantized safetensors
+               checkpoint's own method on CPU; else ``none``
 ``gptq``       GPTQ checkpoints (4-bit on the int4 kernel), ``gptq.py``
 ``awq``        AWQ GEMM checkpoints (int4 kernel), ``awq.py``
 ``compressed-tensors``  ``pack-quantized`` W4A16 (int4 kernel), ``int-quantized`` W8A8
@@ -79,19 +80,16 @@ def get_quantization_config(name: str, dtype: torch.dtype | None = None,
         return None
     import torch
 
-    from llmserve.layers.quantization.gguf_native import (
-        DEFAULT_DENSE_THRESHOLD,
-        GGUFNativeConfig,
-    )
+    from llmserve.layers.quantization.gguf_native import GGUFNativeConfig
 
     dtype = torch.bfloat16 if dtype is None else dtype
     if name in CHECKPOINT_METHODS:
         raise ValueError(f"quantization {name!r} comes from a checkpoint's config.json; "
                          "use checkpoint_quantization_config")
     if name == "gguf-native":
-        return GGUFNativeConfig(dtype, dense_threshold=None)
+        return GGUFNativeConfig(dtype, dense_prefill=False)
     if name == "gguf-hybrid":
-        return GGUFNativeConfig(dtype, dense_threshold=DEFAULT_DENSE_THRESHOLD)
+        return GGUFNativeConfig(dtype, dense_prefill=True)
     raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
 
 
@@ -103,7 +101,7 @@ def _has_int4_kernel() -> bool:
 
 def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
                          checkpoint: QuantizationConfig | None = None,
-                         ) -> QuantizationConfig | None:
+                         deterministic: bool = False) -> QuantizationConfig | None:
     """Resolve ``--quantization`` against the model format, dtype and device.
 
     Args:
@@ -113,6 +111,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
         device: the resolved device (``"cpu"``, ``"cuda:0"``, ...).
         checkpoint: a safetensors checkpoint's own config
             (``loader.read_checkpoint_quantization``), or None.
+        deterministic: batch-invariant mode; ``auto`` then picks ``gguf-native`` (every
+            row runs the packed kernel, so the dense copy of ``gguf-hybrid`` is unused).
 
     Returns:
         A config, or None for dense weights.
@@ -141,7 +141,9 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
         and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
     if name == "auto":
-        return get_quantization_config("gguf-hybrid") if runnable else None
+        if not runnable:
+            return None
+        return get_quantization_config("gguf-native" if deterministic else "gguf-hybrid")
     if name == "none" or runnable:
         return get_quantization_config(name)
     why = ("needs torch >= 2.6 (torch.ops.aten._weight_int4pack_mm_for_cpu)"

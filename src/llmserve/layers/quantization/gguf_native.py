@@ -1,10 +1,24 @@
 """Native GGUF Q4_0 / Q4_1 / Q8_0 weights: the int4 CPU kernel instead of dense matmuls.
 
 Registered as ``gguf-native`` (packed weights only, the least memory) and
-``gguf-hybrid`` (packed weights for steps of at most ``dense_threshold`` tokens,
-plus a dense bfloat16 copy for larger steps, where a dense GEMM is faster: the
-int4 kernel re-dequantizes every weight once per 4 rows of ``x``). Numerics and
-the kernel's contract: :mod:`llmserve.layers.quantization.int4pack`.
+``gguf-hybrid`` (packed weights for decode rows, plus a dense bfloat16 copy for
+prompt rows, where a dense GEMM is faster: the int4 kernel re-dequantizes every
+weight once per 4 rows of ``x``). Numerics and the kernel's contract:
+:mod:`llmserve.layers.quantization.int4pack`.
+
+Batch invariance (issue 20): a row's result never depends on the other rows of
+the call, so a token's numerics never depend on which requests share its step::
+
+    decode rows  (CPU decode path, Linear.matmul_fn)  -> packed kernel, any M
+    prompt rows  (module path, Linear.forward)        -> gguf-native: packed kernel
+                                                         gguf-hybrid: dense copy
+    LM head      (F.linear on NativeLMHeadWeight)     -> packed kernel, any M
+
+Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4 and Q8_0
+kernels give row i the same bits for every M; oneDNN's bf16 GEMM does for every
+M >= 2 but its M = 1 path (a GEMV) sums in another order, so a one-row call runs
+as two rows. The old rule (packed for steps of <= 8 tokens, dense above) made a
+decode's numerics depend on how many tokens shared its step.
 
 Loading: each ``Linear`` switches to :class:`GGUFNativeLinearMethod` on its first
 raw shard, collects its shards, and packs once every row is loaded. A fused
@@ -37,9 +51,6 @@ from llmserve.layers.quantization.int4pack import Int4PackedWeight, pack_gguf_sh
 
 logger = logging.getLogger(__name__)
 
-# Steps with more tokens than this use the dense copy in gguf-hybrid (measured on an
-# AVX-512 Zen 4, 2 threads: int4 is 2.5-3x faster at 1 token, even at ~8, 2x slower at 64).
-DEFAULT_DENSE_THRESHOLD = 8
 
 
 class GGUFNativeConfig(QuantizationConfig):
@@ -48,25 +59,22 @@ class GGUFNativeConfig(QuantizationConfig):
     Args:
         dtype: activation dtype; ``torch.bfloat16`` (the vectorized kernel) or
             ``torch.float32`` (scalar kernel: exact, slow; for checks).
-        dense_threshold: ``None`` = packed weights only; an int = also keep a dense copy
-            in ``dtype`` and use it for steps of more tokens than this.
+        dense_prefill: False = packed weights only (``gguf-native``); True = also keep
+            a dense copy in ``dtype`` for prompt rows (``gguf-hybrid``; module doc).
 
     Raises:
-        ValueError: an unsupported dtype or a negative threshold.
+        ValueError: an unsupported dtype.
     """
 
     gguf_raw_types = NATIVE_GGUF_TYPES
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16,
-                 dense_threshold: int | None = None) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, dense_prefill: bool = False) -> None:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"native GGUF weights run bfloat16 (or float32) activations, "
                              f"got {dtype}")
-        if dense_threshold is not None and dense_threshold < 0:
-            raise ValueError(f"dense_threshold must be >= 0, got {dense_threshold}")
         self.dtype = dtype
-        self.dense_threshold = dense_threshold
-        self.name = "gguf-native" if dense_threshold is None else "gguf-hybrid"
+        self.dense_prefill = dense_prefill
+        self.name = "gguf-hybrid" if dense_prefill else "gguf-native"
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethodBase:
         return GGUFNativeLinearMethod(self, layer)
@@ -85,7 +93,7 @@ class GGUFNativeConfig(QuantizationConfig):
                 packed = _q8_0_weight(src, self.dtype) or \
                     pack_gguf_shards([src.unpack()], self.dtype)
                 module.weight = nn.Parameter(
-                    NativeLMHeadWeight(module.weight.data, packed, self.dense_threshold),
+                    NativeLMHeadWeight(module.weight.data, packed),
                     requires_grad=False)
                 logger.info("tied LM head runs %s natively (%.1f MiB packed)", src.qtype,
                             packed.nbytes() / 2**20)
@@ -94,8 +102,13 @@ class GGUFNativeConfig(QuantizationConfig):
 class GGUFNativeLinearMethod(LinearMethodBase):
     """Packed int4 weight (see module doc); dense copy in ``layer.weight`` for gguf-hybrid.
 
-    Until every row is loaded, ``apply`` raises ``RuntimeError``. In gguf-native mode
-    ``layer.weight`` becomes a ``meta`` tensor (shape and dtype kept, no memory).
+    ``make_matmul`` (the closure the CPU decode path runs on decode rows) always runs
+    the packed kernel; ``apply`` (the module path: prompt rows, and decodes where the
+    decode path does not apply) runs the dense copy in gguf-hybrid, the packed kernel
+    in gguf-native. Neither choice depends on the number of rows.
+
+    Until every row is loaded, the packed path raises ``RuntimeError``. In gguf-native
+    mode ``layer.weight`` becomes a ``meta`` tensor (shape and dtype kept, no memory).
     """
 
     def __init__(self, config: GGUFNativeConfig, layer: nn.Module) -> None:
@@ -126,7 +139,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
             logger.debug("layer with non-native shards stays dense")
             return
         self.packed = pack_gguf_shards([t.unpack() for _, t in shards], self.config.dtype)
-        if self.config.dense_threshold is not None:
+        if self.config.dense_prefill:
             for offset, t in shards:
                 UnquantizedLinearMethod().load_weight(layer, t, offset)
         else:
@@ -137,26 +150,30 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         if self.packed is None:
             return super().make_matmul(layer)
         packed, bias = self.packed.matmul, layer.bias
-        threshold, weight = self.config.dense_threshold, layer.weight
-        if threshold is None and bias is None:
+        if bias is None:
             return packed
 
         def matmul(x: torch.Tensor) -> torch.Tensor:
-            if threshold is not None and x.shape[0] > threshold:
-                return F.linear(x, weight, bias)
-            y = packed(x)
-            return y if bias is None else y.add_(bias)
+            return packed(x).add_(bias)
         return matmul
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        threshold = self.config.dense_threshold
-        if threshold is not None and x.shape[0] > threshold:
-            return F.linear(x, layer.weight, bias)
+        if self.config.dense_prefill:
+            return dense_linear(x, layer.weight, bias)
         if self.packed is None:
             raise RuntimeError("GGUF native layer used before all of its weight rows were loaded")
         y = self.packed.matmul(x)
         return y if bias is None else y.add_(bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with one row run as two: oneDNN's M = 1 path (a GEMV) sums in another
+    order than its GEMM, which gives every row the same bits for any M >= 2 (module doc)."""
+    if x.shape[0] == 1:
+        return F.linear(torch.cat([x, x]), weight, bias)[:1]
+    return F.linear(x, weight, bias)
 
 
 class Q8_0Weight:
@@ -195,19 +212,17 @@ class NativeLMHeadWeight(torch.Tensor):
     """A dense embedding table that runs ``F.linear(x, table)`` (the tied LM head) natively.
 
     The tensor is the dense ``[vocab, hidden]`` table (embedding lookups read it);
-    ``F.linear(x [N, hidden], self)`` with ``N <= dense_threshold`` (or any N when it is
-    None) runs the packed int4 kernel instead. Every other op sees a plain tensor.
+    ``F.linear(x [N, hidden], self)`` runs the packed kernel for every N (one kernel
+    for all rows: batch-invariant logits). Every other op sees a plain tensor.
     """
 
     packed: Int4PackedWeight | Q8_0Weight
-    dense_threshold: int | None
 
     @staticmethod
-    def __new__(cls, dense: torch.Tensor, packed: Int4PackedWeight | Q8_0Weight,
-                dense_threshold: int | None) -> NativeLMHeadWeight:
+    def __new__(cls, dense: torch.Tensor,
+                packed: Int4PackedWeight | Q8_0Weight) -> NativeLMHeadWeight:
         t = torch.Tensor._make_subclass(cls, dense, False)
         t.packed = packed
-        t.dense_threshold = dense_threshold
         return t
 
     @classmethod
@@ -216,13 +231,11 @@ class NativeLMHeadWeight(torch.Tensor):
         if func is F.linear and len(args) >= 2 and isinstance(args[1], cls):
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if bias is None and x.dim() == 2 and x.dtype == w.packed.activation_dtype \
-                    and (w.dense_threshold is None or x.shape[0] <= w.dense_threshold):
+            if bias is None and x.dim() == 2 and x.dtype == w.packed.activation_dtype:
                 with torch._C.DisableTorchFunctionSubclass():
                     return w.packed.matmul(x)
         if func is torch.Tensor.detach:  # nn.Parameter(...) keeps the subclass
             with torch._C.DisableTorchFunctionSubclass():
-                return NativeLMHeadWeight(func(*args, **kwargs), args[0].packed,
-                                          args[0].dense_threshold)
+                return NativeLMHeadWeight(func(*args, **kwargs), args[0].packed)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)

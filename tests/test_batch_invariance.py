@@ -1,0 +1,159 @@
+"""Batch invariance (issue 20): a greedy output must not depend on its step's company.
+
+The oracle is the engine itself with each prompt run alone (and, for the prefix
+cache, with a cache salt that no other request shares): the same request batched
+with 15 others, arriving while others decode (mixed prefill + decode steps),
+chunked at other boundaries, or reusing cached prefix blocks must give the same
+token ids and the same logprobs, bit for bit.
+
+* default format (bfloat16, ``gguf-hybrid``): batching and arrival order change
+  nothing (chunking and cache hits may: the prefill attention's summation order
+  depends on the chunk);
+* ``--deterministic``: batching, arrival order, chunking and prefix-cache hits
+  change nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.layers.batch_invariant import CHUNK_ROWS, chunked_linear
+from llmserve.layers.quantization.gguf_native import dense_linear
+
+TOPICS = ["a chef", "a pilot", "a dragon", "a robot", "a sailor", "a teacher", "a cat", "a king",
+          "a doctor", "a farmer", "a painter", "a spy", "a ghost", "a wizard", "a miner",
+          "a baker"]
+# the issue's prompts: 16 short ones, no full KV block (16 tokens) in common
+PROMPTS = [f"Write a short story number {i} about {t}. Once upon a time"
+           for i, t in enumerate(TOPICS)]
+# a shared prefix of 3 full KV blocks: prefix-cache hits, and (with a 32-token step
+# budget) chunk boundaries that move with the batch
+PREFIX = "You are a helpful assistant who writes very short stories for children. " * 4
+MAX_TOKENS = 8
+
+
+def _params():
+    from llmserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+
+
+def _result(out) -> tuple:
+    c = out.outputs[0]
+    lps = [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]
+    return tuple(c.token_ids), lps
+
+
+def _run(engine, prompts: list[str], *, stagger: bool = False,
+         salts: list[str | None] | None = None, cached: list | None = None) -> list[tuple]:
+    """Generate for ``prompts`` on ``engine``; ``stagger``: add one request per engine step
+    (each prefill then shares its step with the earlier requests' decodes). ``cached``
+    receives each request's number of prompt tokens served from the prefix cache."""
+    salts = salts or [None] * len(prompts)
+    ids, done = [], {}
+
+    def collect(outs):
+        done.update({o.request_id: o for o in outs if o.finished})
+
+    for p, salt in zip(prompts, salts):
+        ids.append(engine.add_request(None, p, _params(), cache_salt=salt))
+        if stagger:
+            collect(engine.step())
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    if cached is not None:
+        cached.extend(done[i].num_cached_tokens for i in ids)
+    return [_result(done[i]) for i in ids]
+
+
+def _alone(engine, prompts: list[str], salted: bool = False,
+           cached: list | None = None) -> list[tuple]:
+    return [_run(engine, [p], salts=[f"alone-{i}" if salted else None], cached=cached)[0]
+            for i, p in enumerate(prompts)]
+
+
+def _diverging(got: list[tuple], want: list[tuple]) -> list[int]:
+    return [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+
+
+@pytest.mark.model
+def test_default_format_greedy_output_is_batch_invariant():
+    """16 prompts alone vs batched vs arriving one per step beside running decodes.
+
+    Before the fix (gguf-hybrid chose int4 or dense by the step's token count):
+    11 of 16 diverged batched (issue 20)."""
+    from llmserve import LLM
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    assert engine.runner.model.model.layers[0].mlp.down_proj.quant_method.config.name == \
+        "gguf-hybrid"
+    alone = _alone(engine, PROMPTS)
+    assert _diverging(_run(engine, PROMPTS), alone) == []
+    assert _diverging(_run(engine, PROMPTS, stagger=True), alone) == []
+
+
+@pytest.mark.model
+def test_deterministic_mode_greedy_output_ignores_batch_chunks_and_prefix_cache():
+    """--deterministic: a 32-token budget chunks the ~75-token prompts at boundaries
+    that move with the batch; the shared prefix hits the prefix cache when batched,
+    never alone (unique cache salts)."""
+    from llmserve import LLM
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
+              deterministic=True, max_num_batched_tokens=32)
+    engine = llm.engine
+    assert engine.config.deterministic and engine.config.cache_config.enable_prefix_caching
+    prompts = [PREFIX + p for p in PROMPTS]
+    cached_alone, cached_batched, cached_staggered = [], [], []
+    alone = _alone(engine, prompts, salted=True, cached=cached_alone)  # chunks of 32
+    assert _diverging(_run(engine, prompts, cached=cached_batched), alone) == []
+    assert _diverging(_run(engine, prompts, stagger=True, cached=cached_staggered), alone) == []
+    assert sum(cached_alone) == 0 and min(cached_staggered) >= 48  # 3 full prefix blocks
+    assert sum(cached_batched) > 0
+
+
+# ---------------------------------------------------------------- the kernels' contract
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_chunked_linear_gives_each_row_the_same_bits_for_any_batch(dtype, in_features):
+    """oneDNN's float32 GEMM does not (its kernel changes with M; measured M = 1, 4, 16),
+    the fixed-shape chunks of batch_invariant.chunked_linear do."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(320, in_features, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(70, in_features, generator=gen).to(dtype)
+    alone = torch.cat([chunked_linear(x[i:i + 1], weight) for i in range(70)])
+    for m in (2, 5, CHUNK_ROWS, CHUNK_ROWS + 1, 70):
+        assert torch.equal(chunked_linear(x[:m], weight), alone[:m]), m
+    torch.testing.assert_close(alone.float(), F.linear(x, weight).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_hybrid_dense_rows_bf16_same_bits_for_any_batch():
+    """gguf-hybrid's prompt rows: bf16 F.linear, one row run as two (dense_linear)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(576, 1536, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([dense_linear(x[i:i + 1], weight) for i in range(40)])
+    for m in (2, 3, 7, 16, 17, 40):
+        assert torch.equal(dense_linear(x[:m], weight), alone[:m]), m
+
+
+def test_deterministic_flag_parses_and_refuses_what_it_cannot_run():
+    import argparse
+
+    from llmserve.engine.arg_utils import EngineArgs, check_deterministic_supported
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--deterministic"])).deterministic
+    assert not EngineArgs.from_cli_args(parser.parse_args([])).deterministic
+    check_deterministic_supported("cpu", "bfloat16", "cpu")  # supported: no error
+    with pytest.raises(ValueError, match="dtype 'float16'"):
+        check_deterministic_supported("cpu", "float16", "cpu")
+    with pytest.raises(ValueError, match="attention backend 'reference'"):
+        check_deterministic_supported("cpu", "float32", "reference")
+    with pytest.raises(ValueError, match="--device cpu"):
+        check_deterministic_supported("cuda:0", "bfloat16", "cpu")
