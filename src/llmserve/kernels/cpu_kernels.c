@@ -593,3 +593,253 @@ int q8_0_matmul(int dtype, void *out, const void *x, int64_t x_stride, const int
     free(xf);
     return 0;
 }
+
+/* ---- GGUF block matmul: y = x W^T straight from the file's blocks ----------------------
+ *
+ * W [N, K] is N rows of K / QB blocks (ggml-common.h layouts, little-endian). Each block
+ * is decoded to int8 codes q and, per 16 weights, a float32 scale s and offset o, such
+ * that the weight is  w = q * s - o  computed in that order (one product, one difference,
+ * each rounded once): exactly the gguf.quants reference formula in float32, since every
+ * product of fp16 scales and small integers below is exact in float32.
+ *
+ *   Q5_0  22 B / 32: | d | qh u32 | qs[16] |        q = (nib | bit << 4) - 16, s = d, o = 0
+ *   Q8_0  34 B / 32: | d | q[32] int8 |              s = d, o = 0
+ *   Q4_K 144 B / 256: | d | dmin | sc[12] | qs[128] |         8 groups of 32:
+ *                     s = d * sc_j, o = dmin * m_j (6-bit sc_j, m_j packed in sc[12])
+ *   Q5_K 176 B / 256: | d | dmin | sc[12] | qh[32] | qs[128] | as Q4_K, + bit j of qh[l]
+ *   Q6_K 210 B / 256: | ql[128] | qh[64] | sc[16] int8 | d |  16 groups of 16, s = d * sc,
+ *                     q = (nibble | 2 bits << 4) - 32
+ * d, dmin: fp16. Q4_K/Q5_K group j of 32 reads qs[32 (j / 2) + l], low nibble for even j.
+ */
+#define GGML_Q5_0 6
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    bits32 b;
+    if (exp == 0x1f) {
+        b.u = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        b.u = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  /* zero or subnormal: man * 2^-24, exact */
+        b.f = (float)man * 5.9604644775390625e-08f;
+        b.u |= sign;
+    }
+    return b.f;
+#endif
+}
+
+/* weights and bytes per block; 0 for a type this kernel does not know */
+static inline int gguf_block_weights(int qtype) {
+    return qtype == GGML_Q5_0 || qtype == GGML_Q8_0 ? 32 :
+           qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : 0;
+}
+
+static inline int gguf_block_bytes(int qtype) {
+    switch (qtype) {
+    case GGML_Q5_0: return 22;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline void k_scale_min(const uint8_t *sc, int j, int *s, int *m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GGUF_SIMD_DECODE 1
+static inline __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void st256(int8_t *p, __m256i v) { _mm256_store_si256((__m256i *)p, v); }
+/* per byte: (v >> k) & mask (a 16-bit shift, then a byte mask drops the neighbour's bits) */
+static inline __m256i bits8(__m256i v, int k, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, k), _mm256_set1_epi8((char)mask));
+}
+#endif
+
+/* one block -> q[QB] int8 (64-byte aligned), s[QB / 16], o[QB / 16] */
+static inline __attribute__((always_inline)) void gguf_decode_block(
+        const int qtype, const uint8_t *restrict b, int8_t *restrict q, float *restrict s,
+        float *restrict o) {
+    if (qtype == GGML_Q8_0) {
+        float d = fp16_to_f32(b);
+        memcpy(q, b + 2, 32);
+        s[0] = s[1] = d;
+        o[0] = o[1] = 0.0f;
+    } else if (qtype == GGML_Q5_0) {
+        float d = fp16_to_f32(b);
+        uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) |
+                      ((uint32_t)b[5] << 24);
+        const uint8_t *qs = b + 6;
+#ifdef GGUF_SIMD_DECODE
+        __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0xF);
+        __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                       _mm_and_si128(v, m4));
+        __m256i hi = _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16));
+        st256(q, _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(16)));
+#else
+        for (int l = 0; l < 16; l++) {
+            q[l] = (int8_t)(((qs[l] & 0xF) | (((qh >> l) & 1) << 4)) - 16);
+            q[l + 16] = (int8_t)(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
+        }
+#endif
+        s[0] = s[1] = d;
+        o[0] = o[1] = 0.0f;
+    } else if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
+        float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+        const uint8_t *sc = b + 4;
+        const uint8_t *qh = b + 16;
+        const uint8_t *qs = qtype == GGML_Q4_K ? b + 16 : b + 48;
+#ifdef GGUF_SIMD_DECODE
+        __m256i h = qtype == GGML_Q5_K ? ld256(qh) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {  /* 32 bytes of qs -> groups 2c (low) and 2c + 1 (high) */
+            __m256i v = ld256(qs + 32 * c);
+            __m256i lo = bits8(v, 0, 0xF), hi = bits8(v, 4, 0xF);
+            if (qtype == GGML_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(bits8(h, 2 * c, 1), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(bits8(h, 2 * c + 1, 1), 4));
+            }
+            st256(q + 64 * c, lo);
+            st256(q + 64 * c + 32, hi);
+        }
+#else
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *p = qs + 32 * c;
+            int8_t *lo = q + 64 * c, *hi = q + 64 * c + 32;
+            for (int l = 0; l < 32; l++) {
+                int hb = qtype == GGML_Q5_K ? qh[l] : 0;
+                lo[l] = (int8_t)((p[l] & 0xF) | (((hb >> (2 * c)) & 1) << 4));
+                hi[l] = (int8_t)((p[l] >> 4) | (((hb >> (2 * c + 1)) & 1) << 4));
+            }
+        }
+#endif
+        for (int j = 0; j < 8; j++) {
+            int sj, mj;
+            k_scale_min(sc, j, &sj, &mj);
+            s[2 * j] = s[2 * j + 1] = d * (float)sj;
+            o[2 * j] = o[2 * j + 1] = dmin * (float)mj;
+        }
+    } else {  /* Q6_K */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = fp16_to_f32(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *pl = ql + 64 * h, *ph = qh + 32 * h;
+            int8_t *y = q + 128 * h;
+#ifdef GGUF_SIMD_DECODE
+            __m256i l0 = ld256(pl), l1 = ld256(pl + 32), hh = ld256(ph), c32 = _mm256_set1_epi8(32);
+#define Q6(L, SH, K) _mm256_sub_epi8(_mm256_or_si256(bits8(L, SH, 0xF), \
+                     _mm256_slli_epi16(bits8(hh, K, 3), 4)), c32)
+            st256(y, Q6(l0, 0, 0));
+            st256(y + 32, Q6(l1, 0, 2));
+            st256(y + 64, Q6(l0, 4, 4));
+            st256(y + 96, Q6(l1, 4, 6));
+#undef Q6
+#else
+            for (int l = 0; l < 32; l++) {
+                y[l] = (int8_t)(((pl[l] & 0xF) | (((ph[l] >> 0) & 3) << 4)) - 32);
+                y[l + 32] = (int8_t)(((pl[l + 32] & 0xF) | (((ph[l] >> 2) & 3) << 4)) - 32);
+                y[l + 64] = (int8_t)(((pl[l] >> 4) | (((ph[l] >> 4) & 3) << 4)) - 32);
+                y[l + 96] = (int8_t)(((pl[l + 32] >> 4) | (((ph[l] >> 6) & 3) << 4)) - 32);
+            }
+#endif
+        }
+        for (int g = 0; g < 16; g++) {
+            s[g] = d * (float)sc[g];
+            o[g] = 0.0f;
+        }
+    }
+}
+
+/* one row n: y[m] = sum_k x[m, k] w[n, k] for m < M (qtype a constant after inlining) */
+static inline __attribute__((always_inline)) void gguf_row(
+        const int qtype, const uint8_t *restrict row, int64_t nb, const float *restrict xf,
+        int64_t M, int64_t K, float *restrict y) {
+    const int qb = qtype == GGML_Q5_0 || qtype == GGML_Q8_0 ? 32 : 256;
+    const int bb = gguf_block_bytes(qtype);
+    int8_t q[256] __attribute__((aligned(64)));
+    float s[16], o[16];
+#if defined(__AVX512F__)
+    __m512 acc[16];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        gguf_decode_block(qtype, row + b * bb, q, s, o);
+        const float *xb = xf + b * qb;
+        for (int g = 0; g < qb / 16; g++) {
+            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_load_si128((const __m128i *)(q + 16 * g))));
+            wv = _mm512_mul_ps(wv, _mm512_set1_ps(s[g]));
+            if (qtype == GGML_Q4_K || qtype == GGML_Q5_K)
+                wv = _mm512_sub_ps(wv, _mm512_set1_ps(o[g]));
+            for (int64_t m = 0; m < M; m++)
+                acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb + m * K + 16 * g), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+    float lanes[16][LANES];
+    for (int64_t m = 0; m < M; m++)
+        for (int l = 0; l < LANES; l++) lanes[m][l] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        gguf_decode_block(qtype, row + b * bb, q, s, o);
+        const float *xb = xf + b * qb;
+        for (int g = 0; g < qb / 16; g++) {
+            float wv[LANES];
+            for (int l = 0; l < LANES; l++) wv[l] = (float)q[16 * g + l] * s[g] - o[g];
+            for (int64_t m = 0; m < M; m++)
+                for (int l = 0; l < LANES; l++) lanes[m][l] += wv[l] * xb[m * K + 16 * g + l];
+        }
+    }
+    for (int64_t m = 0; m < M; m++) y[m] = tree16(lanes[m]);
+#endif
+}
+
+/* out[m, n] (row stride out_stride elements) = sum_k x[m, k] w[n, k], float32 FMAs.
+ * M in 1..16 (callers split larger batches), K a multiple of the block size. */
+int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void *x,
+                int64_t x_stride, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                int num_threads) {
+    const int qb = gguf_block_weights(qtype), bb = gguf_block_bytes(qtype);
+    if (!qb || K % qb || M < 1 || M > 16 || N < 1 || out_stride < N) return -1;
+    const int64_t nb = K / qb, row_bytes = nb * bb;
+    const size_t es = elem_size(dtype);
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -2;
+    for (int64_t m = 0; m < M; m++) load_row(dtype, xf + m * K, (const char *)x + m * x_stride * es, K);
+    int nt = num_threads < 1 ? 1 : num_threads;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float y[16];
+        if (n + PREFETCH_ROWS < N)
+            for (int64_t off = 0; off < row_bytes; off += 64)
+                __builtin_prefetch(row + PREFETCH_ROWS * row_bytes + off, 0, 3);
+        switch (qtype) {
+        case GGML_Q5_0: gguf_row(GGML_Q5_0, row, nb, xf, M, K, y); break;
+        case GGML_Q8_0: gguf_row(GGML_Q8_0, row, nb, xf, M, K, y); break;
+        case GGML_Q4_K: gguf_row(GGML_Q4_K, row, nb, xf, M, K, y); break;
+        case GGML_Q5_K: gguf_row(GGML_Q5_K, row, nb, xf, M, K, y); break;
+        default: gguf_row(GGML_Q6_K, row, nb, xf, M, K, y); break;
+        }
+        for (int64_t m = 0; m < M; m++) store(dtype, out, m * out_stride + n, y[m]);
+    }
+    free(xf);
+    return 0;
+}

@@ -208,8 +208,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is not None:  # through its linear method (native GGUF weights)
+            return self.lm_head(hidden_states).float()
+        return F.linear(hidden_states, self.model.embed_tokens.weight).float()
 
     def _checkpoint_name_map(self) -> dict[str, tuple[str, int | str | None]]:
         """Hugging Face weight name -> (our parameter name, shard id)."""
