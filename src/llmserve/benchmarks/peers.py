@@ -48,7 +48,8 @@ class LLMServeContestant(Contestant):
     """llmserve's offline ``LLM`` with one weight format (``quantization``, ``dtype``)."""
 
     def __init__(self, name: str, dtype: str, quantization: str, kv_cache_memory: str,
-                 max_num_seqs: int = 64, max_model_len: int = 1024) -> None:
+                 max_num_seqs: int = 64, max_model_len: int = 1024,
+                 model: str | None = None) -> None:
         from dataclasses import fields
 
         from llmserve import LLM
@@ -59,7 +60,7 @@ class LLMServeContestant(Contestant):
         if "enable_prefix_caching" in {f.name for f in fields(EngineArgs)}:
             kw["enable_prefix_caching"] = False  # every measurement computes its prompt
         self.name = name
-        self.llm = LLM(dtype=dtype, quantization=quantization,
+        self.llm = LLM(model=model, dtype=dtype, quantization=quantization,
                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, **kw)
         self.bytes_per_token = weight_bytes_per_token(self.llm.engine.runner.model)
@@ -203,7 +204,9 @@ class LlamaCppContestant(Contestant):
         self.name = "llama.cpp"
         self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
-        self.file_bytes = os.path.getsize(gguf_path)
+        from llmserve.benchmarks.engine import gguf_decode_bytes
+
+        self.decode_bytes = gguf_decode_bytes(gguf_path)
 
     def _run(self, prompt: list[int], n: int) -> tuple[float, float, float]:
         """(t_first - t0, t_last - t_first, tokens) for ``n`` greedy tokens, EOS ignored."""
@@ -238,4 +241,4 @@ class LlamaCppContestant(Contestant):
         import llama_cpp
 
         return {"version": getattr(llama_cpp, "__version__", "?"),
-                "weight_bytes_per_token": self.file_bytes}
+                "weight_bytes_per_token": self.decode_bytes}

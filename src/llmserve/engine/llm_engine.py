@@ -16,6 +16,7 @@ from llmserve.engine.output_processor import OutputProcessor, ParentRequest, Req
 from llmserve.kv_cache import KVCacheManager
 from llmserve.layers.quantization import resolve_quantization
 from llmserve.loader import iter_weights, load_model_config, resolve_model
+from llmserve.loader.gguf_loader import gguf_tensor_types
 from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
@@ -91,8 +92,10 @@ class LLMEngine:
         source = resolve_model(args.model)
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
-        quant = resolve_quantization(args.quantization, model_kind=source.kind,
-                                     dtype=config.dtype, device=config.device)
+        quant = resolve_quantization(
+            args.quantization, model_kind=source.kind, dtype=config.dtype, device=config.device,
+            gguf_types=set(gguf_tensor_types(source.path).values()) if source.kind == "gguf"
+            else None)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         tokenizer = load_tokenizer(source)

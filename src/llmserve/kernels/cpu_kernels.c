@@ -767,48 +767,227 @@ static inline __attribute__((always_inline)) void gguf_decode_block(
     }
 }
 
-/* one row n: y[m] = sum_k x[m, k] w[n, k] for m < M (qtype a constant after inlining) */
+/* the weights of one row, formed in float32 (w = q * s - o) 16 at a time */
+#if defined(__AVX512F__)
+static inline __m512 gguf_weights16(const int8_t *q, float s, float o, const int has_o) {
+    __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_load_si128((const __m128i *)q))), _mm512_set1_ps(s));
+    return has_o ? _mm512_sub_ps(w, _mm512_set1_ps(o)) : w;
+}
+
+/* MM (a constant) rows of x against one decoded row; two accumulators per x row
+ * (even / odd groups) keep the FMA chains short and in registers */
+static inline __attribute__((always_inline)) void gguf_tile(
+        const int MM, const int has_o, const int8_t *restrict q, const float *restrict s,
+        const float *restrict o, int64_t ng, const float *restrict xf, int64_t K,
+        float *restrict y) {
+    __m512 acc[4][2];
+    for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        __m512 w0 = gguf_weights16(q + 16 * g, s[g], o[g], has_o);
+        __m512 w1 = gguf_weights16(q + 16 * g + 16, s[g + 1], o[g + 1], has_o);
+        for (int m = 0; m < MM; m++) {
+            acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + 16 * g), acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + 16 * g + 16), acc[m][1]);
+        }
+    }
+    for (; g < ng; g++) {
+        __m512 w0 = gguf_weights16(q + 16 * g, s[g], o[g], has_o);
+        for (int m = 0; m < MM; m++)
+            acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + 16 * g), acc[m][0]);
+    }
+    for (int m = 0; m < MM; m++) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+}
+#endif
+
+/* one row n: y[m] = sum_k x[m, k] w[n, k] for m < M (qtype a constant after inlining).
+ * The row is decoded once into qbuf [K] int8 and sbuf, obuf [K / 16], then multiplied
+ * by the x rows four at a time. */
 static inline __attribute__((always_inline)) void gguf_row(
         const int qtype, const uint8_t *restrict row, int64_t nb, const float *restrict xf,
-        int64_t M, int64_t K, float *restrict y) {
+        int64_t M, int64_t K, int8_t *restrict qbuf, float *restrict sbuf,
+        float *restrict obuf, float *restrict y) {
     const int qb = qtype == GGML_Q5_0 || qtype == GGML_Q8_0 ? 32 : 256;
     const int bb = gguf_block_bytes(qtype);
-    int8_t q[256] __attribute__((aligned(64)));
-    float s[16], o[16];
+    const int has_o = qtype == GGML_Q4_K || qtype == GGML_Q5_K;
+    for (int64_t b = 0; b < nb; b++)
+        gguf_decode_block(qtype, row + b * bb, qbuf + b * qb, sbuf + b * (qb / 16),
+                          obuf + b * (qb / 16));
+    const int64_t ng = K / 16;
 #if defined(__AVX512F__)
-    __m512 acc[16];
-    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        gguf_decode_block(qtype, row + b * bb, q, s, o);
-        const float *xb = xf + b * qb;
-        for (int g = 0; g < qb / 16; g++) {
-            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_load_si128((const __m128i *)(q + 16 * g))));
-            wv = _mm512_mul_ps(wv, _mm512_set1_ps(s[g]));
-            if (qtype == GGML_Q4_K || qtype == GGML_Q5_K)
-                wv = _mm512_sub_ps(wv, _mm512_set1_ps(o[g]));
-            for (int64_t m = 0; m < M; m++)
-                acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb + m * K + 16 * g), acc[m]);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float *xm = xf + m0 * K;
+        switch (M - m0 >= 4 ? 4 : M - m0) {
+        case 1: gguf_tile(1, has_o, qbuf, sbuf, obuf, ng, xm, K, y + m0); break;
+        case 2: gguf_tile(2, has_o, qbuf, sbuf, obuf, ng, xm, K, y + m0); break;
+        case 3: gguf_tile(3, has_o, qbuf, sbuf, obuf, ng, xm, K, y + m0); break;
+        default: gguf_tile(4, has_o, qbuf, sbuf, obuf, ng, xm, K, y + m0); break;
         }
     }
-    for (int64_t m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(acc[m]);
 #else
-    float lanes[16][LANES];
-    for (int64_t m = 0; m < M; m++)
-        for (int l = 0; l < LANES; l++) lanes[m][l] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        gguf_decode_block(qtype, row + b * bb, q, s, o);
-        const float *xb = xf + b * qb;
-        for (int g = 0; g < qb / 16; g++) {
-            float wv[LANES];
-            for (int l = 0; l < LANES; l++) wv[l] = (float)q[16 * g + l] * s[g] - o[g];
-            for (int64_t m = 0; m < M; m++)
-                for (int l = 0; l < LANES; l++) lanes[m][l] += wv[l] * xb[m * K + 16 * g + l];
+    for (int64_t m = 0; m < M; m++) {
+        float lanes[LANES] = {0};
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xk = xf + m * K + 16 * g;
+            for (int l = 0; l < LANES; l++)
+                lanes[l] += ((float)qbuf[16 * g + l] * sbuf[g] - obuf[g]) * xk[l];
         }
+        y[m] = tree16(lanes);
     }
-    for (int64_t m = 0; m < M; m++) y[m] = tree16(lanes[m]);
 #endif
 }
+
+#if defined(__AVX512BF16__) && defined(GGUF_SIMD_DECODE)
+#define GGUF_BF16_DOT 1
+/* bfloat16 activations: the codes become exact bfloat16 integers by a table lookup and
+ * meet x in VDPBF16PS (exact products, float32 sums); per 32 weights one partial sum
+ * [16 lanes], scaled by its group's s (Q6_K: lanes 0-7 and 8-15 are two groups of 16).
+ * Q4_K / Q5_K offsets: sum_j o_j * (sum of x over group j), subtracted at the end.
+ * One-hot x still returns each weight as round(q s - o): the reference value. */
+typedef struct {
+    __m512i lo, hi;  /* bf16 of the code's value, codes 0..31 and 32..63 */
+} gguf_table;
+
+static inline gguf_table gguf_make_table(int qtype) {
+    uint16_t t[64] __attribute__((aligned(64)));
+    int bias = qtype == GGML_Q6_K ? 32 : qtype == GGML_Q5_0 ? 16 : 0;
+    for (int i = 0; i < 64; i++) t[i] = f32_to_bf16((float)(i - bias));
+    gguf_table r = {_mm512_load_si512(t), _mm512_load_si512(t + 32)};
+    return r;
+}
+
+static inline __m512bh gguf_lookup(const int qtype, gguf_table t, __m256i codes) {
+    __m512i idx = _mm512_cvtepu8_epi16(codes);
+    __m512i w = qtype == GGML_Q6_K ? _mm512_permutex2var_epi16(t.lo, idx, t.hi)
+                                   : _mm512_permutexvar_epi16(idx, t.lo);
+    return (__m512bh)w;
+}
+
+/* MM (constant) bf16 x rows (row stride xs elements) against one row of blocks */
+static inline __attribute__((always_inline)) void gguf_row_bf16_tile(
+        const int qtype, const int MM, gguf_table tab, const uint8_t *restrict row, int64_t nb,
+        const uint16_t *restrict x, int64_t xs, const float *restrict xsum, int64_t ngs,
+        float *restrict y) {
+    const int bb = gguf_block_bytes(qtype), qb = gguf_block_weights(qtype);
+    __m512 acc[4][2];  /* even / odd chunks: two short FMA chains per x row */
+    float omin[4] = {0, 0, 0, 0};
+    for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const uint16_t *xb = x + b * qb;
+#define DOT(CHUNK, WV, SV)                                                                   \
+    for (int m = 0; m < MM; m++) {                                                         \
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * xs + 32 * (CHUNK));            \
+        acc[m][(CHUNK) & 1] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), WV, xv), \
+                                              SV, acc[m][(CHUNK) & 1]);                   \
+    }
+        if (qtype == GGML_Q5_0) {
+            uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
+                          ((uint32_t)blk[5] << 24);
+            __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6)), n4 = _mm_set1_epi8(0xF);
+            __m256i codes = _mm256_or_si256(
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), n4), _mm_and_si128(v, n4)),
+                _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+            __m512bh wv = gguf_lookup(qtype, tab, codes);
+            __m512 sv = _mm512_set1_ps(fp16_to_f32(blk));
+            DOT(0, wv, sv)
+        } else if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
+            float d = fp16_to_f32(blk), dmin = fp16_to_f32(blk + 2);
+            const uint8_t *sc = blk + 4, *qs = blk + (qtype == GGML_Q4_K ? 16 : 48);
+            __m256i h = qtype == GGML_Q5_K ? ld256(blk + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i v = ld256(qs + 32 * (j / 2));
+                __m256i codes = j % 2 ? bits8(v, 4, 0xF) : _mm256_and_si256(v, m4);
+                if (qtype == GGML_Q5_K)
+                    codes = _mm256_or_si256(codes, _mm256_slli_epi16(bits8(h, j, 1), 4));
+                int sj, mj;
+                k_scale_min(sc, j, &sj, &mj);
+                __m512bh wv = gguf_lookup(qtype, tab, codes);
+                __m512 sv = _mm512_set1_ps(d * (float)sj);
+                DOT(j, wv, sv)
+                float o = dmin * (float)mj;
+                for (int m = 0; m < MM; m++) omin[m] += o * xsum[m * ngs + b * 8 + j];
+            }
+        } else {  /* Q6_K */
+            /* the 16 group scales d * sc_g, exact; chunk c uses groups 2c, 2c + 1 */
+            __m512 svec = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(blk + 208)),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+            const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            for (int hf = 0; hf < 2; hf++) {
+                __m256i l0 = ld256(blk + 64 * hf), l1 = ld256(blk + 64 * hf + 32);
+                __m256i hh = ld256(blk + 128 + 32 * hf);
+                __m256i c4[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(bits8(hh, 0, 3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(bits8(hh, 2, 3), 4)),
+                    _mm256_or_si256(bits8(l0, 4, 0xF), _mm256_slli_epi16(bits8(hh, 4, 3), 4)),
+                    _mm256_or_si256(bits8(l1, 4, 0xF), _mm256_slli_epi16(bits8(hh, 6, 3), 4))};
+                for (int c = 0; c < 4; c++) {
+                    int g = 8 * hf + 2 * c;  /* groups g (lanes 0-7) and g + 1 (lanes 8-15) */
+                    __m512 sv = _mm512_permutexvar_ps(
+                        _mm512_add_epi32(pair, _mm512_set1_epi32(g)), svec);
+                    __m512bh wv = gguf_lookup(qtype, tab, c4[c]);
+                    DOT(4 * hf + c, wv, sv)
+                }
+            }
+        }
+#undef DOT
+    }
+    for (int m = 0; m < MM; m++)
+        y[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - omin[m];
+}
+
+static inline __attribute__((always_inline)) void gguf_row_bf16(
+        const int qtype, gguf_table tab, const uint8_t *restrict row, int64_t nb,
+        const uint16_t *restrict x, int64_t xs, const float *restrict xsum, int64_t M,
+        int64_t ngs, float *restrict y) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const uint16_t *xm = x + m0 * xs;
+        const float *sm = xsum + m0 * ngs;
+        switch (M - m0 >= 4 ? 4 : M - m0) {
+        case 1: gguf_row_bf16_tile(qtype, 1, tab, row, nb, xm, xs, sm, ngs, y + m0); break;
+        case 2: gguf_row_bf16_tile(qtype, 2, tab, row, nb, xm, xs, sm, ngs, y + m0); break;
+        case 3: gguf_row_bf16_tile(qtype, 3, tab, row, nb, xm, xs, sm, ngs, y + m0); break;
+        default: gguf_row_bf16_tile(qtype, 4, tab, row, nb, xm, xs, sm, ngs, y + m0); break;
+        }
+    }
+}
+
+static int gguf_matmul_bf16(int qtype, uint16_t *out, int64_t out_stride, const uint16_t *x,
+                            int64_t x_stride, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                            int nt) {
+    const int qb = gguf_block_weights(qtype), bb = gguf_block_bytes(qtype);
+    const int64_t nb = K / qb, row_bytes = nb * bb, ngs = K / 32;
+    float *xsum = malloc((size_t)(M * ngs) * sizeof(float));  /* sum of x per 32 weights */
+    if (!xsum) return -2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ngs; g++) {
+            float part[LANES] = {0};
+            for (int l = 0; l < 32; l++) part[l % LANES] += bf16_to_f32(x[m * x_stride + 32 * g + l]);
+            xsum[m * ngs + g] = tree16(part);
+        }
+    const gguf_table tab = gguf_make_table(qtype);
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float y[16];
+        if (n + PREFETCH_ROWS < N)
+            for (int64_t off = 0; off < row_bytes; off += 64)
+                __builtin_prefetch(row + PREFETCH_ROWS * row_bytes + off, 0, 3);
+        switch (qtype) {
+        case GGML_Q5_0: gguf_row_bf16(GGML_Q5_0, tab, row, nb, x, x_stride, xsum, M, ngs, y); break;
+        case GGML_Q4_K: gguf_row_bf16(GGML_Q4_K, tab, row, nb, x, x_stride, xsum, M, ngs, y); break;
+        case GGML_Q5_K: gguf_row_bf16(GGML_Q5_K, tab, row, nb, x, x_stride, xsum, M, ngs, y); break;
+        default: gguf_row_bf16(GGML_Q6_K, tab, row, nb, x, x_stride, xsum, M, ngs, y); break;
+        }
+        for (int64_t m = 0; m < M; m++) out[m * out_stride + n] = f32_to_bf16(y[m]);
+    }
+    free(xsum);
+    return 0;
+}
+#endif
 
 /* out[m, n] (row stride out_stride elements) = sum_k x[m, k] w[n, k], float32 FMAs.
  * M in 1..16 (callers split larger batches), K a multiple of the block size. */
@@ -819,27 +998,49 @@ int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void 
     if (!qb || K % qb || M < 1 || M > 16 || N < 1 || out_stride < N) return -1;
     const int64_t nb = K / qb, row_bytes = nb * bb;
     const size_t es = elem_size(dtype);
+    int nt = num_threads < 1 ? 1 : num_threads;
+    (void)nt;
+#ifdef GGUF_BF16_DOT
+    if (dtype == DT_BF16 && qtype != GGML_Q8_0)
+        return gguf_matmul_bf16(qtype, (uint16_t *)out, out_stride, (const uint16_t *)x, x_stride,
+                                w, M, N, K, nt);
+#endif
     float *xf = malloc((size_t)(M * K) * sizeof(float));
     if (!xf) return -2;
     for (int64_t m = 0; m < M; m++) load_row(dtype, xf + m * K, (const char *)x + m * x_stride * es, K);
-    int nt = num_threads < 1 ? 1 : num_threads;
-    (void)nt;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        float y[16];
-        if (n + PREFETCH_ROWS < N)
-            for (int64_t off = 0; off < row_bytes; off += 64)
-                __builtin_prefetch(row + PREFETCH_ROWS * row_bytes + off, 0, 3);
-        switch (qtype) {
-        case GGML_Q5_0: gguf_row(GGML_Q5_0, row, nb, xf, M, K, y); break;
-        case GGML_Q8_0: gguf_row(GGML_Q8_0, row, nb, xf, M, K, y); break;
-        case GGML_Q4_K: gguf_row(GGML_Q4_K, row, nb, xf, M, K, y); break;
-        case GGML_Q5_K: gguf_row(GGML_Q5_K, row, nb, xf, M, K, y); break;
-        default: gguf_row(GGML_Q6_K, row, nb, xf, M, K, y); break;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1 && N * K >= 65536)
+    {
+        /* one decoded row per thread: int8 codes [K] (64-byte aligned), scales, offsets */
+        size_t nbuf = (size_t)(K + 64) + 2 * (size_t)(K / 16 + 16) * sizeof(float);
+        char *buf = aligned_alloc(64, (nbuf + 63) / 64 * 64);  /* a multiple of the alignment */
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            int8_t *qbuf = (int8_t *)buf;
+            float *sbuf = (float *)(buf + K + 64 - K % 64), *obuf = sbuf + K / 16 + 16;
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                const uint8_t *row = w + n * row_bytes;
+                float y[16];
+                if (n + PREFETCH_ROWS < N)
+                    for (int64_t off = 0; off < row_bytes; off += 64)
+                        __builtin_prefetch(row + PREFETCH_ROWS * row_bytes + off, 0, 3);
+                switch (qtype) {
+#define ROW(T) gguf_row(T, row, nb, xf, M, K, qbuf, sbuf, obuf, y); break
+                case GGML_Q5_0: ROW(GGML_Q5_0);
+                case GGML_Q8_0: ROW(GGML_Q8_0);
+                case GGML_Q4_K: ROW(GGML_Q4_K);
+                case GGML_Q5_K: ROW(GGML_Q5_K);
+                default: ROW(GGML_Q6_K);
+#undef ROW
+                }
+                for (int64_t m = 0; m < M; m++) store(dtype, out, m * out_stride + n, y[m]);
+            }
+            free(buf);
         }
-        for (int64_t m = 0; m < M; m++) store(dtype, out, m * out_stride + n, y[m]);
     }
     free(xf);
-    return 0;
+    return failed ? -2 : 0;
 }

@@ -2,9 +2,11 @@
 
 =============  ==========================================================================
 ``none``       dequantize every tensor to ``--dtype`` at load (dense matmuls)
-``gguf-native``  GGUF Q4_0 / Q4_1 / Q8_0 through PyTorch's int4 CPU kernel, packed only
+``gguf-native``  GGUF Q4_0 / Q4_1 / Q4_K in PyTorch's int4 CPU kernel, Q5_0 / Q5_K / Q6_K /
+               Q8_0 in the C kernel ``gguf_matmul``; packed only
 ``gguf-hybrid``  the same for steps of <= 8 tokens, plus a dense bf16 copy for larger steps
-``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations, else ``none``
+``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations whose
+               tensor types all run natively (or are float), else ``none``
 =============  ==========================================================================
 
 Usage (the engine does this when it loads a model)::
@@ -17,6 +19,7 @@ Usage (the engine does this when it loads a model)::
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # this module stays importable without torch (CLI flags)
@@ -25,6 +28,8 @@ if TYPE_CHECKING:  # this module stays importable without torch (CLI flags)
     from llmserve.layers.quantization.base import QuantizationConfig
 
 __all__ = ["QUANTIZATION_METHODS", "get_quantization_config", "resolve_quantization"]
+
+FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})  # dense in every format
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hybrid")
 
@@ -59,8 +64,20 @@ def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def resolve_quantization(name: str, *, model_kind: str, dtype: str,
-                         device: str) -> QuantizationConfig | None:
+def _uncovered(gguf_types: Collection[str] | None) -> set[str]:
+    """The tensor types of a GGUF file that no native kernel here runs."""
+    if gguf_types is None:
+        return set()
+    import torch
+
+    from llmserve.layers.quantization.gguf_cpu import native_weight_types
+
+    return set(gguf_types) - FLOAT_GGUF_TYPES - native_weight_types(torch.bfloat16)
+
+
+def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
+                         gguf_types: Collection[str] | None = None,
+                         ) -> QuantizationConfig | None:
     """Resolve ``--quantization`` against the model format, dtype and device.
 
     Args:
@@ -68,6 +85,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
         model_kind: ``"gguf"`` or ``"hf"`` (``ModelSource.kind``).
         dtype: the resolved engine dtype (``"bfloat16"``, ``"float32"``, ...).
         device: the resolved device (``"cpu"``, ``"cuda:0"``, ...).
+        gguf_types: the GGUF file's tensor types (ggml names); ``auto`` picks the native
+            path only when each is float or runs natively (else the layers would mix).
 
     Returns:
         A config, or None for dense weights.
@@ -82,7 +101,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str,
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
         and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
     if name == "auto":
-        return get_quantization_config("gguf-hybrid") if runnable else None
+        return get_quantization_config("gguf-hybrid") if runnable and \
+            not _uncovered(gguf_types) else None
     if name == "none" or runnable:
         return get_quantization_config(name)
     why = ("needs torch >= 2.6 (torch.ops.aten._weight_int4pack_mm_for_cpu)"
