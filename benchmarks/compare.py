@@ -23,9 +23,9 @@ plot and the table in ``docs/benchmarks.md`` (between the ``compare`` markers).
     .venv/bin/python benchmarks/compare.py --model qwen2.5-coder-1.5b-instruct-q4_k_m
 
 ``--model`` (a GGUF path or a fetched model's name) runs another model: by default
-llmserve-hybrid, transformers bf16 and llama.cpp, with the REAL sizes (W1 64 new
-tokens, W3 16 prompts of 64..256 tokens, 32 new tokens each: llama.cpp runs W3 one
-prompt at a time, and the full W3 would take it ~20 min on a 1.5B model), and its
+llmserve-hybrid, transformers fp32 and llama.cpp, with the REAL sizes (W1 48 new
+tokens, 2 repetitions; W3 12 prompts of 64..256 tokens, 24 new tokens each: llama.cpp
+runs W3 one prompt at a time, and the full W3 would take it ~20 min on a 1.5B model), and its
 table goes between its own markers (``compare-<name>``) in docs/benchmarks.md.
 """
 
@@ -54,8 +54,8 @@ from llmserve.loader.gguf_loader import gguf_tensor_types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(w1_prompt=32, w1_new=256, w2_prompt=512, w3_n=64, w3_lo=64, w3_hi=512, w3_new=128,
             reps_small=3, reps_w3=1)
-REAL = dict(w1_prompt=32, w1_new=64, w2_prompt=512, w3_n=16, w3_lo=64, w3_hi=256, w3_new=32,
-            reps_small=3, reps_w3=1)
+REAL = dict(w1_prompt=32, w1_new=48, w2_prompt=512, w3_n=12, w3_lo=64, w3_hi=256, w3_new=24,
+            reps_small=2, reps_w3=1)
 QUICK = dict(w1_prompt=32, w1_new=48, w2_prompt=128, w3_n=8, w3_lo=32, w3_hi=128, w3_new=16,
              reps_small=2, reps_w3=1)
 LLMSERVE_FORMATS = {"llmserve-fp32": ("float32", "none"), "llmserve-bf16": ("bfloat16", "none"),
@@ -63,7 +63,11 @@ LLMSERVE_FORMATS = {"llmserve-fp32": ("float32", "none"), "llmserve-bf16": ("bfl
                     "llmserve-hybrid": ("bfloat16", "gguf-hybrid")}
 METRICS = {"w1": "decode_tok_s", "w2": "prefill_tok_s", "w3": "output_tok_s"}
 LABELS = {"w1": "W1 decode tok/s", "w2": "W2 prefill tok/s", "w3": "W3 output tok/s"}
-REAL_DEFAULTS = {"llmserve": ["llmserve-hybrid"], "transformers": ["bfloat16"]}
+# transformers keeps a K-quant GGUF's weights packed and computes in float32 (bfloat16
+# casts every matmul's input and output: slower), so float32 is its best dtype here
+REAL_DEFAULTS = {"llmserve": ["llmserve-hybrid"], "transformers": ["float32"], "w3_skip": []}
+SMOLLM2_DEFAULTS = {"llmserve": list(LLMSERVE_FORMATS), "transformers": ["float32", "bfloat16"],
+                    "w3_skip": ["transformers-fp32"]}
 
 
 def markers(slug: str) -> tuple[str, str]:
@@ -238,8 +242,9 @@ def main() -> int:
                     help="dtypes; default: float32 bfloat16 (SmolLM2), bfloat16 (--model)")
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers padded batch for W3")
     ap.add_argument("--hf-w3-mode", default="both", choices=["both", "continuous", "padded"])
-    ap.add_argument("--w3-skip", nargs="*", default=["transformers-fp32"],
-                    help="engines left out of W3 (default: transformers fp32, the slower dtype)")
+    ap.add_argument("--w3-skip", nargs="*", default=None,
+                    help="engines left out of W3 (default: transformers fp32, the slower dtype, "
+                         "for SmolLM2; none for --model)")
     ap.add_argument("--skip-w3", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads")
@@ -254,9 +259,7 @@ def main() -> int:
     real = args.model is not None and source.name != resolve_model(None).name
     for key, default in REAL_DEFAULTS.items():
         if getattr(args, key) is None:
-            setattr(args, key, default if real else
-                    {"llmserve": list(LLMSERVE_FORMATS), "transformers": ["float32",
-                                                                         "bfloat16"]}[key])
+            setattr(args, key, default if real else SMOLLM2_DEFAULTS[key])
     size = QUICK if args.quick else REAL if real else FULL
     slug = source.name if real else ""
     gguf_path = source.path
