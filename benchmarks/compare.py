@@ -246,6 +246,7 @@ def main() -> int:
                     help="engines left out of W3 (default: transformers fp32, the slower dtype, "
                          "for SmolLM2; none for --model)")
     ap.add_argument("--skip-w3", action="store_true")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of W1/W2 (override)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "benchmarks"))
@@ -261,6 +262,8 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, default if real else SMOLLM2_DEFAULTS[key])
     size = QUICK if args.quick else REAL if real else FULL
+    if args.reps:
+        size = {**size, "reps_small": args.reps}
     slug = source.name if real else ""
     gguf_path = source.path
     model_config = load_model_config(source)
