@@ -425,7 +425,8 @@ def test_qwen15_q4_k_m_native_logits_and_perplexity(qwen15_gguf):
     activations) vs the same file dequantized to float32: every layer and the untied
     Q6_K LM head native; logits within the bf16 bound, perplexity within 0.5%.
 
-    Measured (~100 tokens of TEXT): see the assertion messages / docs/benchmarks.md.
+    Measured (100 tokens of TEXT): max |diff| 0.72, mean 0.025 (max |logit| 26.5), in
+    prefill and in decode steps; perplexity 11.787 vs 11.809 (-0.18%).
     """
     if get_cpu_kernels() is None:
         pytest.skip("no C kernels: Q6_K layers stay dense")
@@ -442,7 +443,7 @@ def test_qwen15_q4_k_m_native_logits_and_perplexity(qwen15_gguf):
     ref = sequence_logits(load_model(source, None, torch.float32), ids, len(ids))
     for got in (prefill, decode):
         diff = (got - ref[:got.shape[0]]).abs()
-        assert diff.max() < 0.1 * ref.abs().max() and diff.mean() < 0.25, \
+        assert diff.max() < 1.5 and diff.mean() < 0.1, \
             (diff.max().item(), diff.mean().item(), ref.abs().max().item())
     ppl_ref, ppl_native = perplexity(ref, ids), perplexity(prefill, ids)
     print(f"qwen15 native vs fp32: max|diff| {(prefill - ref).abs().max():.3f} mean "
