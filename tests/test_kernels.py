@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -241,3 +242,68 @@ def test_q8_0_matmul_matches_the_gguf_formula(kernels, dtype, num_rows):
     torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
     with pytest.raises(ValueError, match="q8_0_matmul"):
         kernels.q8_0_matmul(torch.randn(17, k).to(dtype), codes, scales)
+
+
+# ---------------------------------------------------------------- GGUF block matmul
+# (ggml type, byte offsets of the fp16 fields) per type; every other byte is random
+GGUF_FP16_FIELDS = {"Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_gguf_blocks(qtype: str, rows: int, cols: int, seed: int = 0,
+                       scale: float = 0.02) -> np.ndarray:
+    """uint8 ``[rows, bytes per row]``: random codes, scales and high bits (every bit
+    pattern a file may hold), finite fp16 scales of both signs incl. a subnormal and 0."""
+    from llmserve.kernels.cpu import GGUF_MATMUL_TYPES
+
+    _, qb, bb = GGUF_MATMUL_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // qb, bb), dtype=np.uint8)
+    for off in GGUF_FP16_FIELDS[qtype]:
+        d = (rng.standard_normal((rows, cols // qb)) * scale).astype(np.float16)
+        d.flat[0], d.flat[-1] = np.float16(3e-6), np.float16(0)  # subnormal, zero
+        b[..., off:off + 2] = d.view(np.uint8).reshape(rows, cols // qb, 2)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_FP16_FIELDS))
+def test_gguf_matmul_dequantizes_like_gguf_quants(kernels, qtype):
+    """x = one-hot rows: the kernel returns its float32 weights, which must equal
+    gguf.quants.dequantize (llama.cpp's reference formulas) value for value."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 24, 512
+    blocks = random_gguf_blocks(qtype, n, k)
+    ref = dequantize(blocks, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    eye = torch.eye(k)
+    got = torch.cat([kernels.gguf_matmul(qtype, eye[i:i + 16], torch.from_numpy(blocks), 2)
+                     for i in range(0, k, 16)]).t()
+    assert np.array_equal(got.numpy(), ref)  # float equality (+0 and -0 alike)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", list(GGUF_FP16_FIELDS))
+def test_gguf_matmul_matches_float64_product(kernels, qtype, dtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 40, 768
+    blocks = torch.from_numpy(random_gguf_blocks(qtype, n, k, seed=1))
+    weight = torch.from_numpy(
+        dequantize(blocks.numpy(), GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float64))
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        want = x.double() @ weight.T
+        out = torch.zeros(rows, n + 8, dtype=dtype)  # a column slice: strided rows
+        got = kernels.gguf_matmul(qtype, x, blocks, 2, out=out[:, 4:4 + n])
+        assert got.data_ptr() == out[:, 4].data_ptr() and not out[:, :4].any()
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(),
+                                   rtol=tol)
+    with pytest.raises(ValueError, match="gguf_matmul"):
+        kernels.gguf_matmul(qtype, torch.randn(17, k).to(dtype), blocks)
+    with pytest.raises(ValueError, match="gguf_matmul"):
+        kernels.gguf_matmul(qtype, torch.randn(2, k - 32).to(dtype), blocks)
+    with pytest.raises(ValueError, match="gguf_matmul"):
+        kernels.gguf_matmul("Q2_K", torch.randn(2, k).to(dtype), blocks)

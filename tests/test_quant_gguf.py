@@ -1,11 +1,12 @@
-"""Native GGUF weights (Q4_0, Q4_1, Q8_0 through torch's int4 CPU kernel).
+"""Native GGUF weights (Q4_0, Q4_1, Q4_K, Q8_0 through torch's int4 CPU kernel; Q5_0,
+Q5_K, Q6_K, Q8_0 through the C kernel gguf_matmul).
 
 Unit tests build GGUF blocks with ``gguf.quants`` (llama.cpp's formulas) and by
 hand; the float32 kernel must reproduce every dequantized weight bit for bit,
 the bfloat16 kernel within the stated bound. A tiny GGUF model run natively in
 float32 must match the dequantized model. The model tests check the real
-SmolLM2 Q4_1 file: logits close to the dequantized float32 path, perplexity
-within 0.5%.
+SmolLM2 Q4_1 file and the Qwen2.5-Coder-1.5B Q4_K_M file: logits close to the
+dequantized float32 path, perplexity within 0.5%.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from llmserve.kernels import get_cpu_kernels
 from llmserve.layers.attention import CommonAttentionMetadata
-from llmserve.layers.linear import Linear, QKVLinear
+from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from llmserve.layers.quantization import get_quantization_config, resolve_quantization
 from llmserve.layers.quantization.base import UnquantizedLinearMethod
 from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
+from llmserve.layers.quantization.gguf_cpu import FusedNativeWeight, GGUFBlockWeight
 from llmserve.layers.quantization.gguf_native import (
     GGUFNativeConfig,
     GGUFNativeLinearMethod,
@@ -32,6 +35,8 @@ from llmserve.layers.quantization.gguf_native import (
 from llmserve.layers.quantization.int4pack import pack_gguf_shards
 from llmserve.loader import ModelSource, iter_weights, load_model_config
 from llmserve.models import get_model_class
+from llmserve.tokenizer import load_tokenizer
+from tests.test_kernels import random_gguf_blocks
 
 RNG = np.random.default_rng(0)
 FP32 = GGUFNativeConfig(torch.float32)
@@ -59,7 +64,46 @@ def hand_blocks(qtype: str, rows: int, cols: int) -> GGUFQuantizedTensor:
     return GGUFQuantizedTensor(qtype, (rows, cols), raw, FP32)
 
 
+def k_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFQuantizedTensor:
+    """Hand-made K-quant / Q5_0 blocks: random bytes, finite fp16 scales (gguf-py has no
+    K-quant quantizer); weights scaled down so a tiny model's activations stay tame."""
+    raw = random_gguf_blocks(qtype, rows, cols, seed)
+    return GGUFQuantizedTensor(qtype, (rows, cols), raw, FP32)
+
+
+def exact_q4_k(rows: int, cols: int, seed: int = 0) -> GGUFQuantizedTensor:
+    """Q4_K blocks whose int4 zero points are exact in float32: dmin = d 2^k, |k| <= 3
+    (within a few binades, as quantizers write them; true of every real file seen)."""
+    t = k_blocks("Q4_K", rows, cols, seed)
+    b = t.blocks.reshape(rows, cols // 256, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    dmin = (d * np.exp2(RNG.integers(-3, 4, d.shape))).astype(np.float16)
+    b[..., 2:4] = dmin.view(np.uint8).reshape(rows, cols // 256, 2)
+    return t
+
+
 # ---------------------------------------------------------------- blocks and packing
+def test_q4_k_unpack_and_float32_int4_kernel_bit_exact():
+    """Q4_K super-block = 8 groups of 32 with s = d sc_j, z = -dmin m_j + 8 s: the int4
+    kernel's float32 weights equal gguf.quants' Q4_K formula bit for bit (where z is
+    exact in float32: dmin within a few binades of d, as quantizers write it)."""
+    t = exact_q4_k(24, 512)
+    ref = t.dequantize()
+    u = t.unpack()
+    assert u.codes.shape == (24, 512) and u.d.shape == (24, 16)
+    assert np.array_equal(u.dequantize(), ref.numpy())
+    packed = pack_gguf_shards([u], torch.float32)
+    assert not packed.wide
+    assert torch.equal(packed.matmul(torch.eye(512)).t(), ref)
+
+
+def test_c_kernel_types_do_not_unpack():
+    with pytest.raises(ValueError, match="Q6_K"):
+        k_blocks("Q6_K", 4, 256).unpack()
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUFQuantizedTensor("Q6_K", (4, 256), np.zeros((4, 200), np.uint8), FP32)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("make", [quantized, hand_blocks])
 def test_unpack_and_float32_kernel_bit_exact(qtype, make):
@@ -116,6 +160,49 @@ def test_linear_switches_method_and_fuses_shards():
     torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_k_quant_layer_runs_each_part_in_its_kernel(dtype, exact):
+    """A Q4_K_M-style qkv (Q4_K q, k + Q6_K v) and a Q5_0/Q5_K/Q8_0 gate_up: one weight
+    per kernel, outputs side by side, equal to the dequantized layer."""
+    if get_cpu_kernels() is None:
+        pytest.skip("no C kernels: Q6_K layers stay dense")
+    config = GGUFNativeConfig(dtype)
+    assert {"Q4_K", "Q5_0", "Q5_K", "Q6_K"} <= config.gguf_raw_types
+    layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=dtype)
+    q4_k = exact_q4_k if exact else lambda *a: k_blocks("Q4_K", *a)
+    shards = {"q": q4_k(256, 256, 1), "k": q4_k(128, 256, 2), "v": k_blocks("Q6_K", 128, 256, 3)}
+    for sid in ("k", "v", "q"):
+        shards[sid].config = config
+        layer.weight_loader(layer.weight, shards[sid], sid)
+        layer.weight_loader(layer.bias, torch.randn(shards[sid].shape[0]), sid)
+    packed = layer.quant_method.packed
+    assert isinstance(packed, FusedNativeWeight)
+    # exact zero points: q, k in the int4 kernel; random fp16 d, dmin (a subnormal among
+    # them): inexact, q and k fall back to gguf_matmul. v (Q6_K) is in gguf_matmul.
+    kinds = [getattr(p, "qtype", "int4") for p in packed.parts]
+    assert kinds == (["int4", "Q6_K"] if exact else ["Q4_K", "Q6_K"])
+    dense = torch.cat([shards[s].dequantize() for s in ("q", "k", "v")])
+    for rows in (1, 5, 20):
+        x = torch.randn(rows, 256).to(dtype)
+        want = F.linear(x.double(), dense.double(), layer.bias.double())
+        tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(layer(x).double(), want, rtol=tol,
+                                   atol=tol * want.abs().max().item())
+        torch.testing.assert_close(layer.matmul_fn()(x), layer(x), rtol=0, atol=0)
+    mlp = MergedColumnLinear(256, [64, 64, 32], dtype=dtype)
+    parts = [k_blocks(t, r, 256, i) for i, (t, r) in enumerate(
+        [("Q5_0", 64), ("Q5_K", 64), ("Q8_0", 32)])]
+    for i, t in enumerate(parts):
+        t.config = config
+        mlp.weight_loader(mlp.weight, t, i)
+    assert [p.qtype for p in mlp.quant_method.packed.parts] == ["Q5_0", "Q5_K", "Q8_0"]
+    x = torch.randn(3, 256).to(dtype)
+    want = x.double() @ torch.cat([t.dequantize() for t in parts]).double().T
+    torch.testing.assert_close(mlp(x).double(), want, rtol=2 ** -6 if dtype == torch.bfloat16
+                               else 1e-5, atol=2 ** -6 * want.abs().max().item())
+
+
 def test_mixed_native_and_float_shards_stay_dense():
     layer = QKVLinear(64, 16, 4, 2)
     k_float = torch.randn(32, 64)
@@ -150,6 +237,13 @@ def test_resolve_quantization():
     assert not get_quantization_config("gguf-native").dense_prefill
     assert resolve_quantization("auto", model_kind="gguf", dtype="bfloat16", device="cpu",
                                 deterministic=True).name == "gguf-native"
+    q4_k_m = {"Q4_K", "Q6_K", "F32"}  # a Q4_K_M file: native with the C kernels (Q6_K)
+    auto = resolve_quantization("auto", model_kind="gguf", dtype="bfloat16", device="cpu",
+                                gguf_types=q4_k_m)
+    assert (auto is not None) == (get_cpu_kernels() is not None)
+    assert auto is None or q4_k_m - {"F32"} <= auto.gguf_raw_types
+    assert resolve_quantization("auto", model_kind="gguf", dtype="bfloat16", device="cpu",
+                                gguf_types={"Q4_K", "Q3_K", "F32"}) is None  # no Q3_K kernel
     with pytest.raises(ValueError, match="--dtype bfloat16"):
         resolve_quantization("gguf-native", model_kind="gguf", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="GGUF model"):
@@ -199,6 +293,52 @@ def write_tiny_gguf(path) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def write_tiny_k_quant_gguf(path) -> str:
+    """1 layer, hidden 256, untied Q6_K output, Q4_K_M-like mixed layers (hand-made blocks)."""
+    hidden, ffn, vocab = 256, 512, 64
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 128),
+                   (w.add_embedding_length, hidden), (w.add_feed_forward_length, ffn),
+                   (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_vocab_size, vocab)):
+        add(v)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    tensors = [("token_embd", (vocab, hidden), "Q4_K"), ("blk.0.attn_q", (hidden, hidden), "Q4_K"),
+               ("blk.0.attn_k", (128, hidden), "Q4_K"), ("blk.0.attn_v", (128, hidden), "Q6_K"),
+               ("blk.0.attn_output", (hidden, hidden), "Q5_K"),
+               ("blk.0.ffn_gate", (ffn, hidden), "Q8_0"), ("blk.0.ffn_up", (ffn, hidden), "Q4_K"),
+               ("blk.0.ffn_down", (hidden, ffn), "Q6_K"), ("output", (vocab, hidden), "Q6_K")]
+    for i, (name, shape, qtype) in enumerate(tensors):
+        raw = random_gguf_blocks(qtype, *shape, seed=10 + i, scale=2e-4)
+        w.add_tensor(f"{name}.weight", raw, raw_dtype=getattr(Q, qtype))
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        w.add_tensor(f"{name}.weight", (1 + 0.1 * RNG.standard_normal(hidden)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_tiny_k_quant_model_native_equals_dequantized(tmp_path):
+    """Every K-quant layer native (float32 activations) == the dequantized model; the
+    untied Q6_K LM head runs through its linear method."""
+    if get_cpu_kernels() is None:
+        pytest.skip("no C kernels: the Q5/Q6 layers stay dense")
+    source = ModelSource("gguf", write_tiny_k_quant_gguf(tmp_path / "k.gguf"), "tiny-k")
+    dense = load_model(source, None, torch.float32)
+    native = load_model(source, GGUFNativeConfig(torch.float32), torch.float32)
+    for lin in (*native.model.layers[0].modules(), native.lm_head):
+        if isinstance(lin, Linear):
+            assert isinstance(lin.quant_method, GGUFNativeLinearMethod)
+            assert lin.weight.device.type == "meta"
+    ids = RNG.integers(0, 64, 20).tolist()
+    ref = sequence_logits(dense, ids, 20)
+    for chunk in (20, 1):
+        torch.testing.assert_close(sequence_logits(native, ids, chunk), ref, rtol=0,
+                                   atol=1e-4 * ref.abs().max().item())
 
 
 def load_model(source, quant, dtype):
@@ -279,4 +419,37 @@ def test_smollm2_native_logits_and_perplexity(llm_fp32, gguf_path):
         diff = (got - ref[:got.shape[0]]).abs()
         assert diff.max() < 1.5 and diff.mean() < 0.15, (diff.max(), diff.mean())
     ppl_ref, ppl_native = perplexity(ref, ids), perplexity(prefill, ids)
+    assert abs(ppl_native / ppl_ref - 1) < 0.005, (ppl_native, ppl_ref)
+
+
+@pytest.mark.real_model
+def test_qwen15_q4_k_m_native_logits_and_perplexity(qwen15_gguf):
+    """Qwen2.5-Coder-1.5B Q4_K_M natively (Q4_K int4 kernel, Q6_K gguf_matmul, bf16
+    activations) vs the same file dequantized to float32: every layer and the untied
+    Q6_K LM head native; logits within the bf16 bound, perplexity within 0.5%.
+
+    Measured (100 tokens of TEXT): max |diff| 0.72, mean 0.025 (max |logit| 26.5), in
+    prefill and in decode steps; perplexity 11.787 vs 11.809 (-0.18%).
+    """
+    if get_cpu_kernels() is None:
+        pytest.skip("no C kernels: Q6_K layers stay dense")
+    source = ModelSource("gguf", qwen15_gguf, "qwen15")
+    native = load_model(source, get_quantization_config("gguf-native"), torch.bfloat16)
+    kinds = {type(m.quant_method.packed).__name__ for m in native.modules()
+             if isinstance(m, Linear)}
+    assert kinds == {"Int4PackedWeight", "GGUFBlockWeight", "FusedNativeWeight"}, kinds
+    assert isinstance(native.lm_head.quant_method.packed, GGUFBlockWeight)
+    ids = load_tokenizer(source).encode(TEXT)
+    prefill = sequence_logits(native, ids, len(ids))
+    decode = sequence_logits(native, ids[:16], 1)
+    del native
+    ref = sequence_logits(load_model(source, None, torch.float32), ids, len(ids))
+    for got in (prefill, decode):
+        diff = (got - ref[:got.shape[0]]).abs()
+        assert diff.max() < 1.5 and diff.mean() < 0.1, \
+            (diff.max().item(), diff.mean().item(), ref.abs().max().item())
+    ppl_ref, ppl_native = perplexity(ref, ids), perplexity(prefill, ids)
+    print(f"qwen15 native vs fp32: max|diff| {(prefill - ref).abs().max():.3f} mean "
+          f"{(prefill - ref).abs().mean():.4f} (max|logit| {ref.abs().max():.1f}); decode max "
+          f"{(decode - ref[:16]).abs().max():.3f}; ppl {ppl_native:.4f} vs {ppl_ref:.4f}")
     assert abs(ppl_native / ppl_ref - 1) < 0.005, (ppl_native, ppl_ref)

@@ -3,6 +3,7 @@ Build engines with ``LLM(quantization=...)`` / ``LLMEngine.from_engine_args``.""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmserve.engine.llm import LLM
@@ -35,4 +36,22 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
         table = model.model.embed_tokens.weight
         packed = getattr(table, "packed", None)
         total += packed.nbytes() if packed is not None else table.numel() * table.element_size()
+    return total
+
+
+def gguf_decode_bytes(path: str) -> int:
+    """Bytes of a GGUF file's tensors that a decode step reads in its own format (what
+    llama.cpp reads): every tensor except ``token_embd`` when an ``output`` tensor exists
+    (an untied embedding is looked up one row per token)."""
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from llmserve.loader.gguf_loader import read_gguf_header
+
+    tensors = read_gguf_header(path).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    total = 0
+    for t in tensors:
+        if untied and t.name == "token_embd.weight":
+            continue
+        total += int(np.prod(quant_shape_to_byte_shape(t.shape, t.ggml_type)))
     return total

@@ -49,7 +49,7 @@ class LLMServeContestant(Contestant):
 
     def __init__(self, name: str, dtype: str, quantization: str, kv_cache_memory: str,
                  max_num_seqs: int = 64, max_model_len: int = 1024,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, model: str | None = None) -> None:
         from dataclasses import fields
 
         from llmserve import LLM
@@ -62,7 +62,7 @@ class LLMServeContestant(Contestant):
         if deterministic:
             kw["deterministic"] = True
         self.name = name
-        self.llm = LLM(dtype=dtype, quantization=quantization,
+        self.llm = LLM(model=model, dtype=dtype, quantization=quantization,
                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, **kw)
         self.bytes_per_token = weight_bytes_per_token(self.llm.engine.runner.model)
@@ -206,7 +206,9 @@ class LlamaCppContestant(Contestant):
         self.name = "llama.cpp"
         self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
-        self.file_bytes = os.path.getsize(gguf_path)
+        from llmserve.benchmarks.engine import gguf_decode_bytes
+
+        self.decode_bytes = gguf_decode_bytes(gguf_path)
 
     def _run(self, prompt: list[int], n: int) -> tuple[float, float, float]:
         """(t_first - t0, t_last - t_first, tokens) for ``n`` greedy tokens, EOS ignored."""
@@ -241,4 +243,4 @@ class LlamaCppContestant(Contestant):
         import llama_cpp
 
         return {"version": getattr(llama_cpp, "__version__", "?"),
-                "weight_bytes_per_token": self.file_bytes}
+                "weight_bytes_per_token": self.decode_bytes}

@@ -22,6 +22,7 @@ from llmserve.loader import (
     load_model_config,
     resolve_model,
 )
+from llmserve.loader.gguf_loader import gguf_tensor_types
 from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
@@ -98,10 +99,12 @@ class LLMEngine:
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
         model_config = config.model_config  # with the served max_model_len
-        quant = resolve_quantization(args.quantization, model_kind=source.kind,
-                                     dtype=config.dtype, device=config.device,
-                                     checkpoint=checkpoint_quantization(source),
-                                     deterministic=config.deterministic)
+        quant = resolve_quantization(
+            args.quantization, model_kind=source.kind, dtype=config.dtype, device=config.device,
+            checkpoint=checkpoint_quantization(source),
+            gguf_types=set(gguf_tensor_types(source.path).values()) if source.kind == "gguf"
+            else None,
+            deterministic=config.deterministic)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         tokenizer = load_tokenizer(source)

@@ -13,6 +13,9 @@ import ctypes
 import torch
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# GGUF types of gguf_matmul: name -> (ggml type id, weights per block, bytes per block)
+GGUF_MATMUL_TYPES = {"Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+                     "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 _SIGNATURES = {
@@ -27,6 +30,8 @@ _SIGNATURES = {
     "silu_and_mul": [_INT, _P, _P, _I64, _I64],
     # dtype, out, x, x_stride, codes, scales, M, N, K, num_threads
     "q8_0_matmul": [_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _INT],
+    # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
+    "gguf_matmul": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
     # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
     # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
     # block_size, scale, window, num_threads
@@ -186,6 +191,45 @@ class CpuKernels:
         check_status(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
                                  codes.data_ptr(), scales.data_ptr(), num_rows, n, k,
                                  num_threads), "q8_0_matmul")
+        return out
+
+    def gguf_matmul(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
+                    num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` for a GGUF weight ``W [N, K]`` read straight from its blocks.
+
+        Args:
+            qtype: one of :data:`GGUF_MATMUL_TYPES` (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``,
+                ``"Q5_0"``, ``"Q8_0"``).
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
+            blocks: uint8 ``[N, K / block_weights * block_bytes]`` contiguous (the file's
+                bytes, row by row).
+            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided,
+                e.g. a column slice of a fused layer's output).
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype. Each weight is formed as ``q * s - o`` in float32,
+            equal to ``gguf.quants`` bit for bit; products and sums in float32.
+
+        Raises:
+            ValueError: unknown type, shapes, dtypes or M outside 1..16.
+        """
+        num_rows, k = x.shape
+        n = blocks.shape[0]
+        layout = GGUF_MATMUL_TYPES.get(qtype)
+        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
+                k % layout[1] or blocks.shape != (n, k // layout[1] * layout[2]) or \
+                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
+            raise ValueError(f"gguf_matmul: {qtype} x {tuple(x.shape)}, blocks "
+                             f"{tuple(blocks.shape)} {blocks.dtype}")
+        code = _code(x) if out is None else _code(x, out)
+        if out is None:
+            out = x.new_empty((num_rows, n))
+        elif out.shape != (num_rows, n) or out.stride(1) != 1:
+            raise ValueError(f"gguf_matmul: out {tuple(out.shape)} strides {out.stride()}, "
+                             f"expected [{num_rows}, {n}] with contiguous rows")
+        check_status(self._gguf_matmul(layout[0], code, out.data_ptr(), out.stride(0),
+                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
+                                       n, k, num_threads), "gguf_matmul")
         return out
 
     def paged_attention_decode(self, query: torch.Tensor, key_cache: torch.Tensor,

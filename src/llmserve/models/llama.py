@@ -277,8 +277,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` (matmul in model dtype),
         soft-capped ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is set."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden_states, weight).float()
+        if self.lm_head is not None:  # through its linear method (native GGUF weights)
+            logits = self.lm_head(hidden_states).float()
+        else:
+            logits = F.linear(hidden_states, self.model.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

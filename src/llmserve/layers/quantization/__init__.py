@@ -2,10 +2,12 @@
 
 =============  ==========================================================================
 ``none``       dequantize every tensor to ``--dtype`` at load (dense matmuls)
-``gguf-native``  GGUF Q4_0 / Q4_1 / Q8_0 through PyTorch's int4 CPU kernel, packed only
+``gguf-native``  GGUF Q4_0 / Q4_1 / Q4_K in PyTorch's int4 CPU kernel, Q5_0 / Q5_K / Q6_K /
+               Q8_0 in the C kernel ``gguf_matmul``; packed only
 ``gguf-hybrid``  the same for decode rows, plus a dense bf16 copy for prompt rows
-``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations (``gguf-native``
-               with ``--deterministic``: one kernel for all rows); a quantized safetensors
+``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations whose
+               tensor types all run natively or are float (``gguf-native`` with
+               ``--deterministic``: one kernel for all rows); a quantized safetensors
                checkpoint's own method on CPU; else ``none``
 ``gptq``       GPTQ checkpoints (4-bit on the int4 kernel), ``gptq.py``
 ``awq``        AWQ GEMM checkpoints (int4 kernel), ``awq.py``
@@ -27,6 +29,7 @@ Usage (the engine does this when it loads a model)::
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # this module stays importable without torch (CLI flags)
@@ -46,6 +49,7 @@ CHECKPOINT_METHODS: dict[str, str] = {
 }
 QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hybrid",
                                          *CHECKPOINT_METHODS)
+FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})  # dense in every format
 
 
 def checkpoint_quantization_config(qc: object, source: str) -> CheckpointQuantizationConfig:
@@ -67,7 +71,6 @@ def checkpoint_quantization_config(qc: object, source: str) -> CheckpointQuantiz
     module, cls = CHECKPOINT_METHODS[method].split(".")
     mod = importlib.import_module(f"llmserve.layers.quantization.{module}")
     return getattr(mod, cls)(qc, source)
-
 
 def get_quantization_config(name: str, dtype: torch.dtype | None = None,
                             ) -> QuantizationConfig | None:
@@ -99,8 +102,20 @@ def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def _uncovered(gguf_types: Collection[str] | None) -> set[str]:
+    """The tensor types of a GGUF file that no native kernel here runs."""
+    if gguf_types is None:
+        return set()
+    import torch
+
+    from llmserve.layers.quantization.gguf_cpu import native_weight_types
+
+    return set(gguf_types) - FLOAT_GGUF_TYPES - native_weight_types(torch.bfloat16)
+
+
 def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
                          checkpoint: QuantizationConfig | None = None,
+                         gguf_types: Collection[str] | None = None,
                          deterministic: bool = False) -> QuantizationConfig | None:
     """Resolve ``--quantization`` against the model format, dtype and device.
 
@@ -111,6 +126,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
         device: the resolved device (``"cpu"``, ``"cuda:0"``, ...).
         checkpoint: a safetensors checkpoint's own config
             (``loader.read_checkpoint_quantization``), or None.
+        gguf_types: the GGUF file's tensor types (ggml names); ``auto`` picks the native
+            path only when each is float or runs natively (else the layers would mix).
         deterministic: batch-invariant mode; ``auto`` then picks ``gguf-native`` (every
             row runs the packed kernel, so the dense copy of ``gguf-hybrid`` is unused).
 
@@ -141,7 +158,7 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
         and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
     if name == "auto":
-        if not runnable:
+        if not runnable or _uncovered(gguf_types):
             return None
         return get_quantization_config("gguf-native" if deterministic else "gguf-hybrid")
     if name == "none" or runnable:

@@ -1,10 +1,12 @@
-"""Native GGUF Q4_0 / Q4_1 / Q8_0 weights: the int4 CPU kernel instead of dense matmuls.
+"""Native GGUF weights: the int4 CPU kernel (Q4_0 / Q4_1 / Q4_K) and the C kernel
+``gguf_matmul`` (Q5_0 / Q5_K / Q6_K / Q8_0) instead of dense matmuls.
 
 Registered as ``gguf-native`` (packed weights only, the least memory) and
 ``gguf-hybrid`` (packed weights for decode rows, plus a dense bfloat16 copy for
 prompt rows, where a dense GEMM is faster: the int4 kernel re-dequantizes every
-weight once per 4 rows of ``x``). Numerics and the kernel's contract:
-:mod:`llmserve.layers.quantization.int4pack`.
+weight once per 4 rows of ``x``). Numerics and the kernels' contracts:
+:mod:`llmserve.layers.quantization.int4pack` and
+:mod:`llmserve.layers.quantization.gguf_cpu` (which type runs where).
 
 Batch invariance (issue 20): a row's result never depends on the other rows of
 the call, so a token's numerics never depend on which requests share its step::
@@ -14,16 +16,17 @@ the call, so a token's numerics never depend on which requests share its step::
                                                          gguf-hybrid: dense copy
     LM head      (F.linear on NativeLMHeadWeight)     -> packed kernel, any M
 
-Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4 and Q8_0
-kernels give row i the same bits for every M; oneDNN's bf16 GEMM does for every
-M >= 2 but its M = 1 path (a GEMV) sums in another order, so a one-row call runs
-as two rows. The old rule (packed for steps of <= 8 tokens, dense above) made a
-decode's numerics depend on how many tokens shared its step.
+Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4, Q8_0 and
+``gguf_matmul`` kernels compute each row on its own (the same bits for every M);
+oneDNN's bf16 GEMM does for every M >= 2 but its M = 1 path (a GEMV) sums in
+another order, so a one-row call runs as two rows. The old rule (packed for steps
+of <= 8 tokens, dense above) made a decode's numerics depend on how many tokens
+shared its step.
 
 Loading: each ``Linear`` switches to :class:`GGUFNativeLinearMethod` on its first
 raw shard, collects its shards, and packs once every row is loaded. A fused
-layer with any non-native shard (e.g. a Q6_K ``v_proj`` next to Q4_K ``q_proj``)
-stays dense. A tied embedding (``lm_head`` = ``embed_tokens``) keeps its dense
+layer with shards of different kernels (a Q6_K ``v_proj`` next to Q4_K ``q_proj``)
+runs each part in its own kernel; one with a dense (float) shard stays dense. A tied embedding (``lm_head`` = ``embed_tokens``) keeps its dense
 table for the lookup, and :meth:`GGUFNativeConfig.process_model` gives the LM
 head matmul the packed weight (the largest matmul of small models: 49152 x 576
 for SmolLM2-135M).
@@ -46,15 +49,21 @@ from llmserve.layers.quantization.base import (
     QuantizedTensor,
     UnquantizedLinearMethod,
 )
-from llmserve.layers.quantization.gguf_blocks import NATIVE_GGUF_TYPES, GGUFQuantizedTensor
-from llmserve.layers.quantization.int4pack import Int4PackedWeight, pack_gguf_shards
+from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
+from llmserve.layers.quantization.gguf_cpu import (
+    FusedNativeWeight,
+    GGUFBlockWeight,
+    build_native_weight,
+    native_weight_types,
+)
+from llmserve.layers.quantization.int4pack import Int4PackedWeight
 
 logger = logging.getLogger(__name__)
 
 
 
 class GGUFNativeConfig(QuantizationConfig):
-    """Run GGUF Q4_0 / Q4_1 / Q8_0 tensors through the int4 kernel.
+    """Run GGUF Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 tensors natively.
 
     Args:
         dtype: activation dtype; ``torch.bfloat16`` (the vectorized kernel) or
@@ -66,14 +75,13 @@ class GGUFNativeConfig(QuantizationConfig):
         ValueError: an unsupported dtype.
     """
 
-    gguf_raw_types = NATIVE_GGUF_TYPES
-
     def __init__(self, dtype: torch.dtype = torch.bfloat16, dense_prefill: bool = False) -> None:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"native GGUF weights run bfloat16 (or float32) activations, "
                              f"got {dtype}")
         self.dtype = dtype
         self.dense_prefill = dense_prefill
+        self.gguf_raw_types = native_weight_types(dtype)  # the rest arrives dequantized
         self.name = "gguf-hybrid" if dense_prefill else "gguf-native"
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethodBase:
@@ -90,8 +98,9 @@ class GGUFNativeConfig(QuantizationConfig):
                 continue
             del module.weight.quantized_source
             if tied:
-                packed = _q8_0_weight(src, self.dtype) or \
-                    pack_gguf_shards([src.unpack()], self.dtype)
+                packed = _q8_0_weight(src, self.dtype) or build_native_weight([src], self.dtype)
+                if packed is None:
+                    continue
                 module.weight = nn.Parameter(
                     NativeLMHeadWeight(module.weight.data, packed),
                     requires_grad=False)
@@ -113,7 +122,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
 
     def __init__(self, config: GGUFNativeConfig, layer: nn.Module) -> None:
         self.config = config
-        self.packed: Int4PackedWeight | None = None
+        self.packed: Int4PackedWeight | GGUFBlockWeight | FusedNativeWeight | None = None
         self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
         # rows loaded densely before this method took over (a mixed fused layer)
         self.dense_rows: list[tuple[int, int]] = list(layer.loaded_weight_rows)
@@ -132,13 +141,15 @@ class GGUFNativeLinearMethod(LinearMethodBase):
     def _finish(self, layer: nn.Module) -> None:
         shards = sorted(self.pending, key=lambda p: p[0])
         self.pending = []
-        if self.dense_rows:  # mixed formats: the whole layer stays dense
+        packed = None if self.dense_rows else \
+            build_native_weight([t for _, t in shards], self.config.dtype)
+        if packed is None:  # a float shard, or a type without a kernel: the layer stays dense
             for offset, t in shards:
                 UnquantizedLinearMethod().load_weight(layer, t, offset)
             layer.quant_method = UnquantizedLinearMethod()
             logger.debug("layer with non-native shards stays dense")
             return
-        self.packed = pack_gguf_shards([t.unpack() for _, t in shards], self.config.dtype)
+        self.packed = packed
         if self.config.dense_prefill:
             for offset, t in shards:
                 UnquantizedLinearMethod().load_weight(layer, t, offset)
@@ -216,11 +227,12 @@ class NativeLMHeadWeight(torch.Tensor):
     for all rows: batch-invariant logits). Every other op sees a plain tensor.
     """
 
-    packed: Int4PackedWeight | Q8_0Weight
+    packed: Int4PackedWeight | Q8_0Weight | GGUFBlockWeight | FusedNativeWeight
 
     @staticmethod
     def __new__(cls, dense: torch.Tensor,
-                packed: Int4PackedWeight | Q8_0Weight) -> NativeLMHeadWeight:
+                packed: Int4PackedWeight | Q8_0Weight | GGUFBlockWeight | FusedNativeWeight,
+                ) -> NativeLMHeadWeight:
         t = torch.Tensor._make_subclass(cls, dense, False)
         t.packed = packed
         return t

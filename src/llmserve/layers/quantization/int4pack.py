@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 blocks -> PyTorch's weight-only int4 CPU matmul.
+"""GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 blocks -> PyTorch's weight-only int4 CPU matmul.
 
 The kernel (``aten/src/ATen/native/cpu/int4mm_kernel.cpp``, torch 2.13)::
 
@@ -18,12 +18,13 @@ the block's fp16 scale and minimum, exact in float32)::
 
     Q4_0: codes = q,               s = d,   z = 0           (q - 8) * d
     Q4_1: codes = q,               s = d,   z = m + 8 d     (q - 8) * d + m + 8 d = d q + m
+    Q4_K: each 32-weight group as Q4_1 with d = d sc_j, m = -dmin m_j (exact products)
     Q8_0: u = q + 128 = 16 h + l   -> the input dimension doubled, x' = [x, x]:
           part A: codes = h, s = 16 d, z = 0       16 d (h - 8)
           part B: codes = l, s = d,    z = 8 d     d (l - 8) + 8 d = d l
           A + B = d (16 h + l - 128) = d q
 
-``m + 8 d`` (two fp16 values) is checked to be exact in float32 when packing.
+``m + 8 d`` (Q4_1: two fp16 values; Q4_K: two 17-bit products) is checked to be exact in float32 when packing.
 With float32 ``sz`` every dequantized weight equals the GGUF formula bit for
 bit. With bfloat16 ``sz`` (the fast path) the block scale is rounded to 8
 significant bits: the weight becomes ``bf16(d) (q - 8) + bf16(z)`` (Q8_0:
@@ -96,11 +97,11 @@ def _kernel_params(u: UnpackedBlocks, wide: bool) -> tuple[np.ndarray, np.ndarra
         return codes, s, z
     codes = u.codes.astype(np.int32)
     s = u.d
-    if u.qtype == "Q4_1":
+    if u.qtype in ("Q4_1", "Q4_K"):
         z = u.m + np.float32(8) * u.d
         exact = z.astype(np.float64) == u.m.astype(np.float64) + 8 * u.d.astype(np.float64)
         if not exact.all():
-            raise ValueError("Q4_1 block with m + 8 d not exact in float32")
+            raise ValueError(f"{u.qtype} block with m + 8 d not exact in float32")
     else:
         z = np.zeros_like(u.d)
     if wide:  # part B contributes nothing: code 8, s = z = 0
