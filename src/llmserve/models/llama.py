@@ -168,8 +168,8 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         nd = getattr(attn_metadata, "num_decodes", 0)
-        if nd and getattr(attn_metadata, "num_prefills", 0) and \
-                hasattr(attn_metadata, "split_decodes"):
+        if nd and self.use_cpu_decode_path and getattr(attn_metadata, "num_prefills", 0) \
+                and hasattr(attn_metadata, "split_decodes"):
             # a mixed step runs its decode rows and its prompt rows as two passes, so a
             # decode takes the decode path's kernels whatever shares its step (batch
             # invariance, issue 20; sequences never see each other in attention)

@@ -56,6 +56,9 @@ class CpuAttentionMetadata:
     # and window, see for_window) the variant with that window's masks
     common: CommonAttentionMetadata | None = None
     variants: dict[int | None, CpuAttentionMetadata] = field(default_factory=dict)
+    # a half of split_decodes: (the whole step's metadata, 0 = decodes / 1 = prefills);
+    # its window variants are the same half of the whole step's variants
+    split_of: tuple[CpuAttentionMetadata, int] | None = None
 
     def for_window(self, window: int | None) -> CpuAttentionMetadata:
         """This step's metadata with sliding window ``window`` (self when it already is),
@@ -67,6 +70,10 @@ class CpuAttentionMetadata:
         if window == self.sliding_window:
             return self
         variant = self.variants.get(window)
+        if variant is None and self.split_of is not None:
+            whole, half = self.split_of
+            variant = whole.for_window(window).split_decodes()[half]
+            self.variants[window] = variant
         if variant is None:
             if self.common is None:
                 raise ValueError("CpuAttentionMetadata.for_window needs the common metadata")
@@ -84,6 +91,7 @@ class CpuAttentionMetadata:
                                        self.sliding_window, [])
         prefills = CpuAttentionMetadata(self.slot_mapping[nd:], 0, self.num_prefills, None,
                                         None, None, self.sliding_window, self.prefills)
+        decodes.split_of, prefills.split_of = (self, 0), (self, 1)
         return decodes, prefills
 
 
