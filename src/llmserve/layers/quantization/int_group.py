@@ -299,7 +299,7 @@ class CheckpointQuantizationConfig(QuantizationConfig):
         method = getattr(lm_head, "quant_method", None)
         if isinstance(method, CheckpointLinearMethod) and method.kernel is not None:
             lm_head.weight = nn.Parameter(
-                NativeLMHeadWeight(lm_head.weight.data, method.kernel, None),
+                NativeLMHeadWeight(lm_head.weight.data, method.kernel),
                 requires_grad=False)
 
 
