@@ -391,6 +391,7 @@ def test_redis_down_fails_closed_by_default_and_open_when_configured(worker, tmp
         assert chat(opened, secret).status_code == 200
         redis.stop()
         assert_error(chat(closed, secret), 503)
+        time.sleep(1.0)  # past the replicas' 0.5 s local key cache: auth itself needs Redis
         assert_error(httpx.get(closed.url + "/v1/models", headers=bearer(secret)), 503)
         assert chat(opened, secret).status_code == 200
         assert httpx.get(closed.url + "/health").status_code == 200

@@ -1,9 +1,11 @@
 """Pure ASGI middleware of the OpenAI server that must act before a request body is
 read or parsed: the request body size limit (413).
 
-A body larger than the limit is refused from its ``Content-Length`` without reading
+A body larger than the limit is refused from its ``Content-Length`` without keeping
 it; a body without one (``Transfer-Encoding: chunked``) is counted while it arrives
-and refused as soon as it passes the limit. Either way the application never sees
+and refused as soon as it passes the limit. The rest of the upload (up to
+``DRAIN_LIMIT_BYTES``) is read and dropped first, so the client can read the 413.
+Either way the application never sees
 the request, so nothing is parsed, validated or tokenized. The refusal is an
 OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``).
 Starlette's ``BaseHTTPMiddleware`` is not used: it cannot stop a body mid-stream.
@@ -27,6 +29,21 @@ def _payload_too_large(limit: int, size: int | None) -> JSONResponse:
         "type": "invalid_request_error", "param": None, "code": 413}}
     # the client may still be sending: tell it this connection is done
     return JSONResponse(body, 413, headers={"Connection": "close"})
+
+
+# Before a 413 the rest of the body (up to this many bytes) is read and dropped, never
+# parsed or kept: closing a connection with unread upload data makes the kernel reset it,
+# and the client loses the 413 ("lingering close", as nginx does); a bigger body is cut.
+DRAIN_LIMIT_BYTES = 64 * 2**20
+
+
+async def _drain(receive: Callable, limit: int) -> None:
+    drained = 0
+    while drained <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        drained += len(message.get("body", b""))
 
 
 class RequestBodyLimitMiddleware:
@@ -61,6 +78,7 @@ class RequestBodyLimitMiddleware:
             except ValueError:
                 size = None
             if size is not None and size > self.max_bytes:
+                await _drain(receive, DRAIN_LIMIT_BYTES)
                 await _payload_too_large(self.max_bytes, size)(scope, receive, send)
                 return
         messages: list[dict] = []
@@ -72,6 +90,8 @@ class RequestBodyLimitMiddleware:
                 break
             received += len(message.get("body", b""))
             if received > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive, DRAIN_LIMIT_BYTES)
                 await _payload_too_large(self.max_bytes, None)(scope, receive, send)
                 return
             messages.append(message)
