@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.test_server import Server
+
 MASTER_KEY = "master-key-for-tests-0123456789"
 
 
@@ -65,15 +67,8 @@ def start_redis() -> RedisProc:
     return RedisProc(proc, sock)
 
 
-@dataclass
-class GatewayProc:
-    proc: subprocess.Popen
-    url: str
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+class GatewayProc(Server):
+    """A gateway process: the server fixture's record (process, url, log) plus stop()."""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
