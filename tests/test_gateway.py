@@ -358,9 +358,11 @@ def test_bad_input_gets_4xx_openai_errors_and_gateway_keeps_serving(gws):
         assert assert_error(httpx.post(url, headers=h, json=body), 400)["param"] == param
     assert_error(httpx.post(a.url + "/v1/completions", headers=h,
                             json={"model": MODEL_A, "prompt": {"a": 1}}), 400)
-    # a type error only the worker checks comes back as the worker's 400
-    assert_error(httpx.post(url, headers=h, json={"model": MODEL_A, "messages": HI,
-                                                 "temperature": "hot"}), 400)
+    # the gateway checks bodies with the server's own models (llmserve.protocol)
+    for body in ({"model": MODEL_A, "messages": HI, "temperature": "hot"},
+                 {"model": MODEL_A, "messages": [1, 2]}):
+        err = assert_error(httpx.post(url, headers=h, json=body), 400)
+        assert err["param"] == ("temperature" if "temperature" in body else "messages")
     assert_error(httpx.post(url, headers=h, json={"model": "nope", "messages": HI}), 404)
     two_auth = [("Authorization", f"Bearer {key}"), ("Authorization", f"Bearer {MASTER_KEY}")]
     assert_error(httpx.post(url, headers=two_auth, json={"model": MODEL_A, "messages": HI}),

@@ -57,36 +57,26 @@ async def read_body(request: Request, limit: int) -> dict:
     return body
 
 
-def _check_type(body: dict, name: str, types: tuple, what: str) -> None:
-    if name in body and body[name] is not None and (
-            not isinstance(body[name], types) or isinstance(body[name], bool) and bool
-            not in types):
-        raise bad_request(f"'{name}' must be {what}", name)
-
-
 def check_fields(body: dict, chat: bool) -> None:
-    """Type checks of the fields the gateway itself reads (the upstream checks the rest)."""
+    """The body checked against the server's own request models
+    (:mod:`llmserve.protocol.openai`: the same types, strictly), plus what the gateway
+    needs to price it: a model name, ``n >= 1``, token limits >= 0, messages present."""
+    from pydantic import ValidationError
+
+    from llmserve.protocol import validation_message
+    from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("'model' is required and must be a string", "model")
-    _check_type(body, "stream", (bool,), "a boolean")
-    _check_type(body, "n", (int,), "an integer")
-    _check_type(body, "max_tokens", (int,), "an integer")
-    _check_type(body, "max_completion_tokens", (int,), "an integer")
-    _check_type(body, "stream_options", (dict,), "an object")
+    try:
+        (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise bad_request(*validation_message(e.errors(include_url=False))) from None
     for f in ("n", "max_tokens", "max_completion_tokens"):
         if isinstance(body.get(f), int) and body[f] < (1 if f == "n" else 0):
             raise bad_request(f"'{f}' must be >= {1 if f == 'n' else 0}", f)
-    if chat:
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise bad_request("'messages' must be a non-empty list", "messages")
-    else:
-        p = body.get("prompt")
-        ok = isinstance(p, str) or isinstance(p, list) and p and (
-            all(isinstance(x, str) for x in p) or all(type(x) is int for x in p)
-            or all(isinstance(x, list) and all(type(t) is int for t in x) for x in p))
-        if not ok:
-            raise bad_request("'prompt' must be a string, a list of strings, a list of "
-                              "token ids or a list of lists of token ids", "prompt")
+    if chat and not body["messages"]:
+        raise bad_request("'messages' must be a non-empty list", "messages")
 
 
 async def _tokenize(gw, base: str, rid: str, payload: dict) -> tuple[int, int]:

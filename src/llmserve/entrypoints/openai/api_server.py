@@ -45,7 +45,12 @@ from llmserve.entrypoints.openai.middleware import (
     RequestBodyLimitMiddleware,
 )
 from llmserve.entrypoints.openai.openapi import install_openapi, responses
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
+from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.protocol import validation_message
+from llmserve.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -58,10 +63,6 @@ from llmserve.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
-from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.tokenizer import decode_ids, encode_text
 
 logger = logging.getLogger("llmserve.server")
@@ -124,20 +125,6 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":  # loc holds a character offset, not a field
-            parts.append(f"the body is not valid JSON: {err.get('msg', 'invalid')} "
-                         f"(at character {err.get('loc', ('', '?'))[-1]})")
-            continue
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request", param
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -145,7 +132,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return JSONResponse(bad_request(message, param).body(), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from llmserve.entrypoints.openai.protocol import ErrorResponse
+from llmserve.protocol.openai import ErrorResponse
 
 ERROR_DESCRIPTIONS = {
     400: "invalid request: a field is missing, of the wrong type or out of range",

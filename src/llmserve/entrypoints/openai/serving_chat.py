@@ -20,19 +20,6 @@ from llmserve.chat_template import (
     plain_value,
 )
 from llmserve.engine.async_llm import RequestStream
-from llmserve.entrypoints.openai.protocol import (
-    ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatMessage,
-    DeltaMessage,
-    TopLogprob,
-    usage_info,
-)
 from llmserve.entrypoints.openai.serving_engine import (
     LOGPROB_FLOOR,
     OpenAIServing,
@@ -46,6 +33,19 @@ from llmserve.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from llmserve.outputs import SampleLogprobs
+from llmserve.protocol.openai import (
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    TopLogprob,
+    usage_info,
+)
 from llmserve.sampling_params import MAX_LOGPROBS
 from llmserve.token_bytes import TokenBytes, token_text
 from llmserve.tokenizer import apply_chat_template

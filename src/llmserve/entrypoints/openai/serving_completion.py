@@ -13,14 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from llmserve.engine.async_llm import RequestStream
-from llmserve.entrypoints.openai.protocol import (
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    usage_info,
-)
 from llmserve.entrypoints.openai.serving_engine import (
     LOGPROB_FLOOR,
     OpenAIServing,
@@ -34,6 +26,14 @@ from llmserve.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from llmserve.outputs import SampleLogprobs
+from llmserve.protocol.openai import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    usage_info,
+)
 from llmserve.token_bytes import TokenBytes, incomplete_utf8_suffix_length, token_text
 from llmserve.tokenizer import decode_ids, encode_text
 

@@ -29,14 +29,14 @@ from llmserve.engine.async_llm import (
     RequestStream,
     merge_delta,
 )
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.outputs import RequestOutput
+from llmserve.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
 )
-from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.token_bytes import TokenBytes
 
