@@ -1,7 +1,8 @@
 """Active health checks and load scrapes.
 
 Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy) and
-``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``). A refused
+``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``) and
+``GET /v1/models`` (which models it serves, for routing by ``model``). A refused
 connection marks a worker unhealthy at once; other failures (timeouts, non-200)
 after ``unhealthy_threshold`` in a row. One success makes it healthy again and
 closes its circuit breaker. A worker without ``llmserve:`` metrics (a third-party
@@ -69,6 +70,7 @@ class HealthChecker:
                     w.load = parse_load(m.text)
             except (httpx.HTTPError, ValueError):
                 pass
+            await self._models(w)
             return
         n = self._fails.get(w.id, 0) + (0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold
                                         else 1)
@@ -76,6 +78,18 @@ class HealthChecker:
         if n >= self.unhealthy_threshold and w.healthy:
             logger.warning("worker %s (%s) is unhealthy", w.id, w.url)
             w.healthy = False
+
+    async def _models(self, w: Worker) -> None:
+        """Refresh the worker's ``/v1/models`` cards (kept as they were on failure, so
+        a worker that needs a key for it stays "serves anything")."""
+        try:
+            r = await self.client.get(w.url + "/v1/models", timeout=self.timeout_s)
+            data = r.json().get("data") if r.status_code == 200 else None
+            if isinstance(data, list):
+                w.models = [m for m in data if isinstance(m, dict)
+                            and isinstance(m.get("id"), str)]
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
 
     async def run_once(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
