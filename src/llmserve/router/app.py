@@ -199,12 +199,17 @@ class Proxy:
 
     async def _relay(self, w: Worker, upstream: httpx.Response, first: bytes, chunks):
         ok = False
+        tail = first[-64:]
         try:
             yield first
             async for chunk in chunks:
                 yield chunk
+                tail = (tail + chunk)[-64:]
             ok = True
         except httpx.HTTPError as e:
+            if tail.rstrip().endswith(b"data: [DONE]"):  # complete; the peer closed badly
+                ok = True  # (llama-cpp-python's server does, after every stream)
+                return
             logger.warning("worker %s failed mid-stream: %s", w.id, e)
             self.pool.metrics.errors.labels("midstream").inc()
             err = {"error": {"message": f"worker {w.id} failed mid-stream", "type":

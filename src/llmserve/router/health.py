@@ -1,6 +1,7 @@
 """Active health checks and load scrapes.
 
-Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy) and
+Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy; a server
+without that route, 404, is healthy while ``GET /v1/models`` answers 200) and
 ``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``) and
 ``GET /v1/models`` (which models it serves, for routing by ``model``). A refused
 connection marks a worker unhealthy at once; other failures (timeouts, non-200)
@@ -53,6 +54,9 @@ class HealthChecker:
         try:
             r = await self.client.get(w.url + "/health", timeout=self.timeout_s)
             ok = r.status_code == 200
+            if r.status_code == 404:  # no /health (llama-cpp-python's server): ask /v1/models
+                r = await self.client.get(w.url + "/v1/models", timeout=self.timeout_s)
+                ok = r.status_code == 200
         except httpx.ConnectError:
             self._fails[w.id] = self.unhealthy_threshold
             ok = False
