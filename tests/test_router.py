@@ -239,6 +239,47 @@ def test_workers_join_and_drain(workers):
         router.stop()
 
 
+def test_worker_digest_tells_the_router_what_it_holds(workers):
+    """A prefix computed on worker 1 without the router (so the router assumed
+    nothing) is routed there as a cache hit once worker 1's ``/kv_cache/digest`` says
+    it holds those blocks; the digest's hashes are the router's own for the prompt."""
+    import base64
+
+    from llmserve.router.prefix import prompt_block_hashes
+
+    router = start_router([w.url for w in workers])
+    try:
+        b = workers[1].url
+        wid = next(i for i, u in worker_urls(router).items() if u == b)
+        prefix = PREFIX.replace("shipping", "railway")  # not cached anywhere yet
+        r = httpx.post(b + "/v1/completions", timeout=CLIENT_TIMEOUT,
+                       json={"prompt": prefix + "Question: a 9 kg parcel?", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        ids = httpx.post(b + "/tokenize", json={"prompt": prefix}, timeout=30).json()["tokens"]
+        d = httpx.get(b + "/kv_cache/digest", timeout=10).json()
+        raw = base64.b64decode(d["hashes"])
+        held = {raw[i:i + 32] for i in range(0, len(raw), 32)}
+        mine = prompt_block_hashes(ids, d["block_size"])
+        assert len(mine) >= 16 and set(mine[:-1]) <= held  # (the prefix's last block
+        # may be tokenized differently when the question follows it)
+        assert httpx.get(b + "/kv_cache/digest", params={"if_version": d["version"]},
+                         timeout=10).status_code == 304
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the router polls digests with health checks
+            w = next(w for w in httpx.get(router.url + "/workers", timeout=10).json()
+                     ["workers"] if w["id"] == wid)
+            if (w["kv_digest_version"] or -1) >= d["version"]:
+                break
+            time.sleep(0.2)
+        hits0 = counter(b, "llmserve:prefix_cache_hits_total")
+        r = complete(router, prefix + "Question: what about 12 kg?")
+        assert (r.headers["x-llmserve-worker"], r.headers["x-llmserve-route-reason"]) == (
+            wid, "cache_hit")
+        assert counter(b, "llmserve:prefix_cache_hits_total") - hits0 >= 16 * 15
+    finally:
+        router.stop()
+
+
 TIERS = {"workers": [], "tiers": {
     "auto": {"levels": [{"model": "small", "max_score": 0.35}, {"model": "large"}]},
     "auto-esc": {"escalate_on": ["length"],

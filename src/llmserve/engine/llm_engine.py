@@ -246,6 +246,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def prefix_cache_digest(self) -> tuple[int, int, list[bytes]]:
+        """``(block_size, version, block hashes)`` of every block in the prefix cache
+        (callable from another thread; see ``BlockPool.cached_block_hashes``)."""
+        version, hashes = self.scheduler.kv_cache_manager.prefix_cache_digest()
+        return self.config.cache_config.block_size, version, hashes
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 

@@ -190,3 +190,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def prefix_cache_digest(self) -> tuple[int, list[bytes]]:
+        """``(version, block hashes)`` of the prefix cache (:meth:`BlockPool.cached_block_hashes`)."""
+        return self.block_pool.cached_block_hashes()

@@ -268,7 +268,8 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
                                                    max_keepalive_connections=256))
     proxy = Proxy(pool, client, block_size, max_retries, tiers)
     checker = HealthChecker(pool, client, interval_s=health_interval_s,
-                            timeout_s=max(1.0, min(5.0, 2 * health_interval_s)))
+                            timeout_s=max(1.0, min(5.0, 2 * health_interval_s)),
+                            block_size=block_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

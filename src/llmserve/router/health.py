@@ -3,7 +3,8 @@
 Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy; a server
 without that route, 404, is healthy while ``GET /v1/models`` answers 200) and
 ``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``) and
-``GET /v1/models`` (which models it serves, for routing by ``model``). A refused
+``GET /v1/models`` (which models it serves, for routing by ``model``) and, for
+``cache_aware``, ``GET /kv_cache/digest`` (which prefix blocks it holds). A refused
 connection marks a worker unhealthy at once; other failures (timeouts, non-200)
 after ``unhealthy_threshold`` in a row. One success makes it healthy again and
 closes its circuit breaker. A worker without ``llmserve:`` metrics (a third-party
@@ -13,6 +14,7 @@ server) keeps ``load.scraped = False`` and is balanced by router in-flight count
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 
 import httpx
@@ -42,8 +44,10 @@ def parse_load(text: str) -> WorkerLoad:
 
 class HealthChecker:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 2.0,
-                 timeout_s: float = 2.0, unhealthy_threshold: int = 2) -> None:
+                 timeout_s: float = 2.0, unhealthy_threshold: int = 2,
+                 block_size: int = 16) -> None:
         self.pool = pool
+        self.block_size = block_size
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -75,6 +79,7 @@ class HealthChecker:
             except (httpx.HTTPError, ValueError):
                 pass
             await self._models(w)
+            await self._digest(w)
             return
         n = self._fails.get(w.id, 0) + (0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold
                                         else 1)
@@ -94,6 +99,30 @@ class HealthChecker:
                             and isinstance(m.get("id"), str)]
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
+
+    async def _digest(self, w: Worker) -> None:
+        """Feed a ``cache_aware`` policy the worker's ``/kv_cache/digest`` (what its
+        prefix cache holds); 304 = unchanged; a worker without the route is skipped."""
+        policy = self.pool.policy
+        if not getattr(policy, "wants_digest", False):
+            return
+        asked_at = policy.clock()
+        params = {} if w.digest_version is None else {"if_version": w.digest_version}
+        try:
+            r = await self.client.get(w.url + "/kv_cache/digest", params=params,
+                                      timeout=self.timeout_s)
+            if r.status_code != 200:
+                return
+            d = r.json()
+            raw = base64.b64decode(d["hashes"])
+            if d["block_size"] != self.block_size or len(raw) % 32:
+                logger.warning("worker %s publishes %s-token blocks, the router uses %s: "
+                               "digest ignored", w.id, d["block_size"], self.block_size)
+                return
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return
+        policy.on_digest(w.id, [raw[i:i + 32] for i in range(0, len(raw), 32)], asked_at)
+        w.digest_version = d["version"]
 
     async def run_once(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))

@@ -87,6 +87,7 @@ class Worker:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     models: list[dict] | None = None  # its /v1/models cards; None: not known yet
+    digest_version: int | None = None  # version of its last /kv_cache/digest
 
     def serves(self, model: str | None) -> bool:
         """Does it serve ``model`` (True for no model, or while its list is unknown)?"""
@@ -104,4 +105,5 @@ class Worker:
                 "num_requests_running": self.load.num_requests_running,
                 "num_requests_waiting": self.load.num_requests_waiting,
                 "kv_cache_usage_perc": self.load.kv_cache_usage_perc,
-                "models": None if self.models is None else [m.get("id") for m in self.models]}
+                "models": None if self.models is None else [m.get("id") for m in self.models],
+                "kv_digest_version": self.digest_version}

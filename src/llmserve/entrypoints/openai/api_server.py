@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.openai.kv_digest import DIGEST_PATH, install_kv_digest
 from llmserve.entrypoints.openai.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestBodyLimitMiddleware,
@@ -197,7 +198,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added last = outermost: a request without the key is never read
         app.add_middleware(APIKeyMiddleware, api_key=api_key,
-                           open_paths=("/health", "/metrics") if public_metrics else ("/health",))
+                           open_paths=("/health", "/metrics", DIGEST_PATH) if public_metrics
+                           else ("/health",))
     _install_error_handlers(app)
     install_openapi(app, api_key_required=bool(api_key))
 
@@ -205,6 +207,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     async def health() -> Response:
         state.require_engine()
         return Response(status_code=200)  # no body, as vLLM's /health
+
+    install_kv_digest(app, state)
 
     @app.get("/version", responses=responses(VersionResponse))
     async def version() -> VersionResponse:
