@@ -280,6 +280,29 @@ def test_worker_digest_tells_the_router_what_it_holds(workers):
         router.stop()
 
 
+def test_worker_registers_itself_and_leaves_on_sigterm(workers):
+    router = start_router([workers[0].url], "--policy", "round_robin")
+    extra = Proc(CLI + ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory",
+                        "64MiB", "--disable-uvicorn-access-log", "--register-with",
+                        router.url], r"listening on (http://127\.0\.0\.1:\d+)")
+    try:
+        extra.wait_ready(time.monotonic() + START_TIMEOUT)
+        deadline = time.monotonic() + 60
+        while extra.url not in worker_urls(router).values() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wid = next(i for i, u in worker_urls(router).items() if u == extra.url)
+        seen = {complete(router, f"Hi {i}", 1).headers["x-llmserve-worker"] for i in range(4)}
+        assert wid in seen  # round robin over both
+        extra.stop()  # SIGTERM: it leaves the router (drained, then removed) first
+        assert extra.proc.returncode == 0
+        assert "left router" in extra.log() and wid not in worker_urls(router)
+        seen = {complete(router, f"Hi {i}", 1).headers["x-llmserve-worker"] for i in range(3)}
+        assert seen == {"w0"}
+    finally:
+        extra.stop()
+        router.stop()
+
+
 TIERS = {"workers": [], "tiers": {
     "auto": {"levels": [{"model": "small", "max_score": 0.35}, {"model": "large"}]},
     "auto-esc": {"escalate_on": ["length"],
