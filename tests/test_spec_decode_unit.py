@@ -177,3 +177,142 @@ def test_rejection_sampler_shape_error():
     meta = _rows_metadata([SamplingParams(temperature=0.0)], [2])
     with pytest.raises(ValueError, match="num_draft_tokens"):
         rejection_sample(torch.zeros(2, 8), meta, [2], torch.tensor([1, 2]))
+
+
+# ---------------------------------------------------------------- scheduler bookkeeping
+
+
+def _scheduler(num_blocks=20, lookahead=0):
+    from llmserve.config import SchedulerConfig
+    from llmserve.kv_cache import KVCacheManager
+    from llmserve.scheduler import Scheduler
+
+    return Scheduler(SchedulerConfig(max_model_len=256, max_num_batched_tokens=64),
+                     KVCacheManager(num_blocks, 4, enable_caching=True),
+                     num_lookahead_tokens=lookahead)
+
+
+def _request(rid, n_prompt=6, max_tokens=50, eos=(99,)):
+    from llmserve.scheduler import Request
+
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(temperature=0.0),
+                   max_tokens, eos)
+
+
+def test_scheduler_verifies_drafts_and_rolls_back_rejected_slots():
+    from llmserve.scheduler import ModelRunnerOutput
+
+    sched = _scheduler()
+    req = _request("a")
+    sched.add_request(req)
+    out = sched.schedule()  # prefill: 6 tokens
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 7},
+                                                    spec_token_ids={"a": [8, 9, 10, 11]}))
+    assert req.spec_token_ids == [8, 9, 10, 11] and req.num_computed_tokens == 6
+    out = sched.schedule()  # the decode: last token + 4 drafts
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 10, 11]}
+    kv = sched.kv_cache_manager
+    assert len(kv.get_block_ids("a")) == 3  # 11 slots of 4
+    # two drafts accepted, the third rejected and replaced by 42
+    core = sched.update_from_output(out, ModelRunnerOutput(
+        sampled_token_ids={"a": 42}, spec_output_token_ids={"a": [8, 9, 42]}))
+    assert core[0].new_token_ids == [8, 9, 42]
+    assert req.output_token_ids == [7, 8, 9, 42]
+    assert req.num_computed_tokens == 9 and req.num_tokens == 10  # 7, 8, 9 computed
+    assert len(kv.get_block_ids("a")) == 3  # ceil(10 / 4): nothing to trim here
+    # EOS inside a drafted run ends the request there and frees its blocks
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput(sampled_token_ids={"a": 5}))
+    assert req.spec_token_ids == []
+    req.spec_token_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [1, 2, 3]}
+    core = sched.update_from_output(out, ModelRunnerOutput(
+        sampled_token_ids={"a": 4}, spec_output_token_ids={"a": [1, 99, 3, 4]}))
+    assert core[0].new_token_ids == [1, 99] and core[0].finish_reason == "stop"
+    assert kv.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_scheduler_trims_blocks_and_caps_drafts_at_max_tokens():
+    from llmserve.scheduler import ModelRunnerOutput
+
+    sched = _scheduler()
+    req = _request("b", n_prompt=4, max_tokens=6)
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput(
+        sampled_token_ids={"b": 7}, spec_token_ids={"b": [1, 2, 3, 4, 5, 6, 7, 8]}))
+    assert req.spec_token_ids == [1, 2, 3, 4]  # 1 + 4 + bonus = max_tokens 6
+    out = sched.schedule()
+    kv = sched.kv_cache_manager
+    assert len(kv.get_block_ids("b")) == 3  # 4 + 5 slots
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"b": 9},
+                                                    spec_output_token_ids={"b": [9]}))
+    assert req.num_computed_tokens == 5 and len(kv.get_block_ids("b")) == 2  # rolled back
+
+
+def test_scheduler_allocates_lookahead_slots_for_a_draft_model():
+    from llmserve.scheduler import ModelRunnerOutput
+
+    sched = _scheduler(lookahead=3)
+    req = _request("c", n_prompt=8)
+    sched.add_request(req)
+    out = sched.schedule()
+    kv = sched.kv_cache_manager
+    assert len(kv.get_block_ids("c")) == 3  # 8 prompt slots + 3 lookahead
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"c": 1}))
+    sched.abort_requests("c")
+    assert kv.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_draft_config_checks_name_the_field():
+    from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from llmserve.spec_decode.draft_model import check_draft_config
+
+    def mc(vocab, ctx):
+        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=8,
+                           intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=ctx)
+
+    cfg = EngineConfig(model="t", model_config=mc(100, 512), cache_config=CacheConfig(),
+                       scheduler_config=SchedulerConfig(max_model_len=512))
+    check_draft_config(mc(100, 512), cfg)
+    with pytest.raises(ValueError, match="speculative_config.model.*vocabulary"):
+        check_draft_config(mc(120, 512), cfg)
+    with pytest.raises(ValueError, match="speculative_config.model.*context length"):
+        check_draft_config(mc(100, 256), cfg)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from llmserve.config import ModelConfig
+    from llmserve.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2, '
+                              '"draft_length_policy": "adaptive"}', "--device", "cpu"])
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8,
+                        intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, max_position_embeddings=64)
+    cfg = EngineArgs.from_cli_args(args).create_engine_config(model, "m")
+    assert cfg.speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2, draft_length_policy="adaptive")
+
+
+def test_adaptive_policy_follows_acceptance_and_batch():
+    from llmserve.spec_decode.policy import DraftLengthPolicy
+
+    fixed = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+    assert fixed.num_drafts("r", 200) == 5
+    pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                              draft_length_policy="adaptive"))
+    for _ in range(10):
+        pol.observe("good", 5, 5)
+        pol.observe("bad", 3, 0)
+    assert pol.num_drafts("good", 1) == 5
+    assert pol.num_drafts("bad", 1) == 0
+    assert pol.num_drafts("good", 64) == 0  # compute bound: no speculation
+    assert 0 < pol.num_drafts("good", 40) < 5  # fewer drafts as the batch grows
+    # a request with k = 0 still probes now and then
+    assert max(pol.num_drafts("bad", 1) for _ in range(10)) == 1

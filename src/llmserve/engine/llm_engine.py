@@ -89,6 +89,7 @@ class LLMEngine:
             self.runner.spec_decoder = build_spec_decoder(config, self.runner, draft_model)
             self.spec_decoding_stats = SpecDecodingStats(
                 num_spec_tokens=config.speculative_config.num_speculative_tokens)
+        self._spec_logged_at = time.monotonic()
         self.scheduler = Scheduler(
             config.scheduler_config,
             KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching),
@@ -317,6 +318,9 @@ class LLMEngine:
                 emitted = runner_out.spec_output_token_ids.get(req_id)
                 if drafts and emitted:
                     self.spec_decoding_stats.observe(len(drafts), len(emitted) - 1)
+            if time.monotonic() - self._spec_logged_at >= 10.0 and sched_out.scheduled_spec_decode_tokens:
+                self._spec_logged_at = time.monotonic()
+                logger.info("%s", self.spec_decoding_stats.log_line())
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs, first_sched)
         if stopped:

@@ -386,7 +386,6 @@ class Scheduler:
             drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
             # rejected drafts: their KV slots are rolled back (recomputed if ever needed)
             req.num_computed_tokens += num_new - (len(drafts) - len(tokens) + 1 if drafts and tokens else 0)
-            req.spec_token_ids = self._cap_drafts(req, runner_out.spec_token_ids.get(req_id))
             finished = False
             new_tokens: list[int] = []
             for t in tokens:  # EOS, a stop id or max_tokens may fall inside a drafted run
@@ -395,6 +394,7 @@ class Scheduler:
                 finished = req.check_stop(self.max_model_len)
                 if finished:
                     break
+            req.spec_token_ids = self._cap_drafts(req, runner_out.spec_token_ids.get(req_id))
             kv.cache_blocks(req_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
             if drafts and not finished:
                 kv.trim(req_id, req.num_tokens + len(req.spec_token_ids))

@@ -47,6 +47,16 @@ class SpecDecodingStats:
         """Tokens emitted per verification step: ``1 + accepted / drafts``."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def log_line(self) -> str:
+        """vLLM's ``SpecDecoding metrics`` log line."""
+        per_pos = ", ".join(f"{a / self.num_drafts:.3f}" if self.num_drafts else "0"
+                            for a in self.num_accepted_tokens_per_pos)
+        return (f"SpecDecoding metrics: Draft acceptance rate: {100 * self.acceptance_rate:.1f}%, "
+                f"Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+                f"Accepted: {self.num_accepted_tokens} tokens, "
+                f"Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}")
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,

@@ -1,8 +1,8 @@
 """Draft length per request and step: fixed ``k``, or adaptive.
 
 Adaptive (ours; no anchor engine does this): each request keeps a decayed count of
-accepted (``S``) and first-rejected (``F``) draft positions, so ``alpha = (S + 1) /
-(S + F + 2)`` estimates the chance that one more draft is accepted. The ``j``-th
+accepted (``S``) and first-rejected (``F``) draft positions, so ``alpha = (S + 0.5) /
+(S + F + 1)`` estimates the chance that one more draft is accepted. The ``j``-th
 draft is worth ``alpha ** j`` expected tokens (it counts only if all before it are
 accepted, Leviathan et al. 2023, eq. 1) and costs one more verified token plus, for
 a draft model, one draft forward. Its cost relative to a whole decode step grows
@@ -22,9 +22,9 @@ from llmserve.spec_decode.config import SpeculativeConfig
 
 DECAY = 0.8
 PROBE_EVERY = 8
-# per-draft cost relative to one target decode step (the n-gram lookup is free; a
-# draft forward of a model ~3x smaller costs about a third of a step when memory bound)
-DRAFT_COST = {"ngram": 0.05, "draft_model": 0.25}
+# per-draft cost relative to one target decode step: one more verified token (the n-gram
+# lookup itself is free), plus a draft forward of a model ~3x smaller for a draft model
+DRAFT_COST = {"ngram": 0.1, "draft_model": 0.25}
 COMPUTE_BOUND_BATCH = 48
 
 
@@ -40,7 +40,7 @@ class DraftLengthPolicy:
 
     def alpha(self, req_id: str) -> float:
         s, f, _ = self._counts.get(req_id, (0.0, 0.0, 0))
-        return (s + 1.0) / (s + f + 2.0)
+        return (s + 0.5) / (s + f + 1.0)
 
     def num_drafts(self, req_id: str, batch_size: int) -> int:
         """Drafts for ``req_id`` when ``batch_size`` requests run this step."""
