@@ -107,13 +107,13 @@ class OutputProcessor:
                 st.itl.append(now - m.last_token_time)
             m.last_token_time = now
             st.num_cached_tokens = co.num_cached_tokens
-            st.token_ids.extend(co.new_token_ids)
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            new_ids, stop_str, cut = self._detokenize(st, co)
+            if cut:  # a stop string inside a speculative run: it ends there
+                finish_reason = None
+            st.token_ids.extend(new_ids)
             if co.new_logprobs is not None and st.logprobs is not None:
                 self._add_logprobs(st, co.new_logprobs)
-            finish_reason, stop_reason = co.finish_reason, co.stop_reason
-            # an EOS / stop token id ends the text without showing (vLLM semantics)
-            stop_str = st.detokenizer.update(co.new_token_ids,
-                                             stop_terminated=co.finish_reason == "stop")
             if stop_str is not None and finish_reason != "stop":
                 if finish_reason is None:
                     stopped_by_string.append(co.req_id)
@@ -126,6 +126,25 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.states[co.req_id]
         return results, stopped_by_string
+
+    @staticmethod
+    def _detokenize(st: RequestState, co: EngineCoreOutput) -> tuple[list[int], str | None, bool]:
+        """Feed the new tokens to the detokenizer. Returns (tokens kept, stop string, whether
+        a stop string cut a multi-token (speculative) run before its last token).
+
+        An EOS / stop token id ends the text without showing (vLLM semantics). Several
+        tokens are checked one by one so a stop string ends the output where plain
+        decoding would have."""
+        ids = co.new_token_ids
+        eos_end = co.finish_reason == "stop"
+        if len(ids) == 1 or not st.detokenizer.stop:
+            return ids, st.detokenizer.update(ids, stop_terminated=eos_end), False
+        for j, t in enumerate(ids):
+            last = j == len(ids) - 1
+            stop_str = st.detokenizer.update([t], stop_terminated=last and eos_end)
+            if stop_str is not None:
+                return ids[:j + 1], stop_str, not last
+        return ids, None, False
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request from outside; returns its final output (``finish_reason``:

@@ -92,6 +92,7 @@ class ModelRunner:
             ]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.spec_decoder = None  # a spec_decode.verifier.SpecDecoder: runs the step instead
 
     # ---------------------------------------------------------------- KV moves
     def apply_kv_cache_ops(self, ops: list[tuple[str, int, int]]) -> None:
@@ -205,6 +206,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, sample where due."""
+        if self.spec_decoder is not None:  # speculative decoding: verify drafts, propose
+            return self.spec_decoder.execute_model(self, sched)
         self._update_states(sched)
         if sched.kv_cache_ops:
             self.apply_kv_cache_ops(sched.kv_cache_ops)
