@@ -145,7 +145,9 @@ def run_render(args) -> int:
     from llmserve.deploy.kubernetes import render_kubernetes, write_manifests
     from llmserve.deploy.spec import load_spec
 
-    docs = render_kubernetes(load_spec(args.spec))
+    spec = load_spec(args.spec)
+    with open(args.spec, encoding="utf-8") as f:
+        docs = render_kubernetes(spec, f.read())
     write_manifests(docs, args.output)
     if args.output != "-":
         print(f"llmserve render: {len(docs)} objects -> {args.output}", file=sys.stderr)

@@ -204,7 +204,7 @@ class KubernetesSpec(_Strict):
     accelerator_resource: str | None = None  # e.g. nvidia.com/gpu; None: CPU workers
     worker_cpu: str = "2"
     worker_memory: str = "8Gi"
-    metrics_per_pod: str = "llmserve:num_requests_waiting"  # HPA custom metric
+    gpus_per_node: PositiveInt = 8  # a worker with tp * pp above this spans nodes (pp)
 
 
 class DeploymentSpec(_Strict):
