@@ -133,6 +133,11 @@ class SamplingParams:
         logprobs: number of most likely tokens whose log-probabilities are
             returned per generated token, besides the sampled token
             (0..MAX_LOGPROBS); None returns none.
+        prompt_logprobs: number of most likely tokens whose log-probabilities are
+            returned per prompt position, besides the prompt token itself
+            (0..MAX_LOGPROBS); None returns none. Computed in the prefill's own
+            forward pass; such a request does not read the prefix cache (its
+            cached part would have no logits), as vLLM v1.
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: put spaces between special tokens
             when detokenizing.
@@ -158,6 +163,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -176,7 +182,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             setattr(self, name, _check_int(name, getattr(self, name), allow_none=True))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -213,6 +219,9 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs}")
 
     @property
     def sampling_type(self) -> SamplingType:

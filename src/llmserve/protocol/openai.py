@@ -113,6 +113,7 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = _doc(minLength=1)  # requests with other salts share no cache
+    prompt_logprobs: int | None = _doc(minimum=0, maximum=20)  # vLLM: top-k per prompt token
 
 
 class CompletionRequest(SamplingFields):
@@ -121,9 +122,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         json_schema_extra=_set_schema(_PROMPT_SCHEMA))
-    max_tokens: int | None = _doc(16, minimum=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt, scored: lm-eval)
+    max_tokens: int | None = _doc(16, minimum=0)
     logprobs: int | None = _doc(minimum=0, maximum=20)  # legacy: top logprobs per token
-    echo: bool = False  # not with logprobs (prompt logprobs are not supported yet)
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs come first
     suffix: str | None = _doc(maxLength=0)  # not supported: 400 when set
     best_of: int | None = None  # only None or == n
 
@@ -194,12 +196,25 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's prompt-logprob value: one token's logprob, 1-based rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM extra ``prompt_logprobs``: per prompt token (the first None) token id -> PromptLogprob
+PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token id
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra (request prompt_logprobs)
 
 
 def _now() -> int:
@@ -251,6 +266,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra (request prompt_logprobs)
 
 
 class DeltaMessage(ResponseModel):
@@ -314,6 +330,17 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(ResponseModel):
+    """vLLM's ``GET /tokenizer_info`` (what lm-eval's remote tokenizer reads)."""
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
 
 
 class VersionResponse(ResponseModel):

@@ -71,6 +71,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # with the first sampled token: per prompt token 1..P-1 (ids, logprobs, rank), or None
+    # when they could not be computed (see worker/prompt_logprobs.py)
+    prompt_logprobs: dict[str, list | None] = field(default_factory=dict)
 
 
 @dataclass

@@ -111,6 +111,17 @@ class PromptInput:
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` (-inf clamped to LOGPROB_FLOOR)."""
+    if entries is None:
+        return None
+    return [None if e is None else {
+        str(tid): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+        for e in entries]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -129,7 +140,9 @@ def fan_out(request_id: str, params: SamplingParams, n: int
         p = params.clone()
         if p.seed is not None:
             p.seed = params.seed + i
-        out.append((f"{request_id}-{i}", p, f"{request_id}-0" if i else None))
+        # prompt logprobs need each choice's own prefill (a fork computes one token)
+        fork = i and params.prompt_logprobs is None
+        out.append((f"{request_id}-{i}", p, f"{request_id}-0" if fork else None))
     return out
 
 
@@ -234,7 +247,8 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, req: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """Request fields -> SamplingParams (OpenAI defaults). Raises APIError 400."""
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
@@ -252,6 +266,8 @@ class OpenAIServing:
                 n=1, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                prompt_logprobs=(prompt_logprobs if prompt_logprobs is not None
+                                 else req.prompt_logprobs),
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 **{k: v for k, v in kw.items() if v is not None})
