@@ -81,6 +81,24 @@ class ErrorResponse(ResponseModel):
 # ---------------------------------------------------------------------- requests
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (needs include_usage)
+
+
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema`` (OpenAI structured outputs)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(RequestModel):
@@ -98,8 +116,17 @@ class SamplingFields(RequestModel):
     seed: int | None = _doc(minimum=-(2**63), maximum=2**64 - 1)
     presence_penalty: float | None = _doc(minimum=-2, maximum=2)
     frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
-    logit_bias: dict[str, float] | None = _doc(maxProperties=0)  # only empty or absent
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     user: str | None = None
+    service_tier: str | None = None  # accepted, as OpenAI's; one tier here
+    metadata: dict[str, str] | None = None  # accepted and ignored (OpenAI stores it)
+    response_format: ResponseFormat | None = None
+    # vLLM extras: structured outputs (one of them, or response_format)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF (``root ::= ...``) or Lark (``start: ...``)
+    structured_outputs: dict[str, Any] | None = None  # {"json"|"regex"|"choice"|"grammar"}
     # vLLM extras
     top_k: int | None = _doc(minimum=-1)
     min_p: float | None = _doc(minimum=0, maximum=1)

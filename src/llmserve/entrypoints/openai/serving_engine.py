@@ -37,7 +37,7 @@ from llmserve.protocol.openai import (
     ErrorResponse,
     SamplingFields,
 )
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.token_bytes import TokenBytes
 
 MAX_N = 128  # most choices one request may ask for
@@ -120,6 +120,39 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
         str(tid): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
                    "decoded_token": lp.decoded_token} for tid, lp in e.items()}
         for e in entries]
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI) or vLLM's ``guided_*`` / ``structured_outputs``
+    extras -> :class:`StructuredOutputsParams`. Raises APIError 400 naming the field
+    when several are set or one is malformed."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise bad_request("response_format.json_schema.schema is required for type "
+                              "json_schema", "response_format")
+        found.append(("response_format", {"json": rf.json_schema.json_schema}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, {key: getattr(req, name)}))
+    if req.structured_outputs:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request("set one structured-output constraint, got "
+                          + ", ".join(name for name, _ in found), found[1][0])
+    name, kw = found[0]
+    try:
+        so = StructuredOutputsParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"{name}: {e}", name) from None
+    so.source_field = name  # the request field that compile errors name
+    return so
 
 
 def random_id(prefix: str) -> str:
@@ -246,12 +279,34 @@ class OpenAIServing:
                 f"{max(kv_tokens - prompt_len, 0)} or the length of the prompt.", field)
         return max_tokens
 
+    async def compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a worker thread (cached per spec), so the
+        engine step that admits it never waits. Raises APIError 400 for a bad spec."""
+        so = params.structured_outputs
+        if so is None or so.compiled is not None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.structured_output.compile, so)
+        except ValueError as e:
+            raise bad_request(str(e), getattr(so, "source_field", "response_format")) from None
+
     def sampling_params(self, req: SamplingFields, max_tokens: int,
-                        logprobs: int | None, prompt_logprobs: int | None = None
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
         """Request fields -> SamplingParams (OpenAI defaults). Raises APIError 400."""
+        logit_bias = None
         if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                                  "logit_bias") from None
+            vocab = self.engine.engine.config.model_config.vocab_size
+            bad = [t for t in logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"logit_bias: {bad[0]} is not a token id in [0, {vocab})",
+                                  "logit_bias")
         if not 1 <= req.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
         if req.stream_options is not None and not req.stream:
@@ -268,6 +323,9 @@ class OpenAIServing:
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 prompt_logprobs=(prompt_logprobs if prompt_logprobs is not None
                                  else req.prompt_logprobs),
+                structured_outputs=(structured if structured is not None
+                                    else structured_outputs_of(req)),
+                logit_bias=logit_bias,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 **{k: v for k, v in kw.items() if v is not None})
@@ -287,6 +345,8 @@ class OpenAIServing:
         """
         if not self.engine.is_running:
             raise service_unavailable("the engine is not running (shutting down)")
+        for _, params in prompts:
+            await self.compile_structured(params)
         jobs = []
         for p, (prompt, params) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{p}"
