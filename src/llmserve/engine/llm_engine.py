@@ -28,6 +28,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Request, RequestStatus, Scheduler
+from llmserve.structured_output import GrammarCompilerCache
 from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
@@ -97,6 +98,10 @@ class LLMEngine:
                 self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
                 else 0))
         self.output_processor = OutputProcessor(tokenizer)
+        # structured outputs: grammars compiled once per spec (the server compiles them
+        # in a worker thread before adding the request, so a step never waits on one)
+        self.structured_output = GrammarCompilerCache(tokenizer, mc.vocab_size,
+                                                      list(self.eos_token_ids))
         self._counter = itertools.count()
         self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
         self._stalled_steps = 0
@@ -206,6 +211,16 @@ class LLMEngine:
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]  # vLLM accepts the salt in the prompt dict
         vocab = self.config.model_config.vocab_size
+        if self.config.speculative_config is not None:  # the verifier runs neither yet
+            if params.structured_outputs is not None:
+                raise ValueError("structured outputs (response_format / guided_*) are not "
+                                 "supported with speculative decoding yet; serve without "
+                                 "--speculative-config")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not supported with speculative "
+                                 "decoding yet; serve without --speculative-config")
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # cached; ValueError
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is not a token id in [0, {vocab})")

@@ -30,6 +30,7 @@ class ParentRequest:
     n: int
     child_ids: list[str]
     done: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # from the sibling that computed the prompt
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RequestState:
     num_cached_tokens: int = 0
     parent: ParentRequest | None = None
     index: int = 0
+    prompt_logprobs: list | None = None  # PromptLogprobs once computed
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -114,6 +117,8 @@ class OutputProcessor:
             st.token_ids.extend(new_ids)
             if co.new_logprobs is not None and st.logprobs is not None:
                 self._add_logprobs(st, co.new_logprobs)
+            if co.extra.get("prompt_logprobs") is not None:
+                st.prompt_logprobs = self._prompt_logprobs(co.extra["prompt_logprobs"])
             if stop_str is not None and finish_reason != "stop":
                 if finish_reason is None:
                     stopped_by_string.append(co.req_id)
@@ -162,6 +167,10 @@ class OutputProcessor:
         completion = out.outputs[0]
         completion.index = st.index
         out.request_id = parent.request_id
+        if out.prompt_logprobs is not None:
+            parent.prompt_logprobs = out.prompt_logprobs
+        elif st.output_kind != RequestOutputKind.DELTA:
+            out.prompt_logprobs = parent.prompt_logprobs
         if out.finished:
             parent.done[st.index] = completion
         all_done = len(parent.done) == parent.n
@@ -172,16 +181,23 @@ class OutputProcessor:
         out.finished = all_done
         return out
 
-    def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
-        ids, lps, rank = new
+    def _entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in entry:
                 continue
             entry[tid] = Logprob(lp, rank if j == 0 else j,
                                  self.tokenizer.decode([tid], skip_special_tokens=False))
-        st.logprobs.append(entry)
+        return entry
+
+    def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
+        ids, lps, rank = new
+        st.logprobs.append(self._entry(ids, lps, rank))
         st.cumulative_logprob += lps[0]
+
+    def _prompt_logprobs(self, raw: list) -> list:
+        """Runner entries of prompt tokens 1..P-1 -> PromptLogprobs (first None)."""
+        return [None] + [self._entry(ids, lps, rank) for ids, lps, rank in raw]
 
     def _make_output(self, st: RequestState, finish_reason: str | None,
                      stop_reason: int | str | None, now: float,
@@ -205,6 +221,11 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, cumulative_logprob=st.cumulative_logprob,
             logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        prompt_logprobs = st.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if st.sent_prompt_logprobs else prompt_logprobs
+            st.sent_prompt_logprobs = st.sent_prompt_logprobs or prompt_logprobs is not None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
                              finished, st.metrics, num_cached_tokens=st.num_cached_tokens,
-                             itl=list(st.itl) if finished else [])  # once, not O(n^2)
+                             itl=list(st.itl) if finished else [],  # once, not O(n^2)
+                             prompt_logprobs=prompt_logprobs)

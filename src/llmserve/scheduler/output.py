@@ -79,6 +79,9 @@ class ModelRunnerOutput:
     # and the drafts proposed for its next step
     spec_output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # with the first sampled token: per prompt token 1..P-1 (ids, logprobs, rank), or None
+    # when they could not be computed (see worker/prompt_logprobs.py)
+    prompt_logprobs: dict[str, list | None] = field(default_factory=dict)
 
 
 @dataclass

@@ -316,7 +316,8 @@ class Scheduler:
             return ops, num_new
         computed_blocks = []
         num_hit = 0
-        if req.num_computed_tokens == 0:
+        # prompt logprobs need every prompt position's logits: no prefix-cache read
+        if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
             computed_blocks = kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                      req.extra_keys)
             num_hit = len(computed_blocks) * self.block_size
@@ -406,6 +407,8 @@ class Scheduler:
                 req_id, new_tokens, finish_reason=req.get_finished_reason() if finished else None,
                 stop_reason=req.stop_reason, new_logprobs=runner_out.logprobs.get(req_id),
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
+            if req_id in runner_out.prompt_logprobs:
+                outputs[-1].extra["prompt_logprobs"] = runner_out.prompt_logprobs[req_id]
             if finished:
                 self.running.remove(req)
                 self._free_request(req)

@@ -62,6 +62,7 @@ from llmserve.protocol.openai import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from llmserve.tokenizer import decode_ids, encode_text
@@ -281,5 +282,15 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
 
         body = await state.chat.run_tokenizer(run)
         return Response(body, media_type="application/json")
+
+    @app.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, 503))
+    async def tokenizer_info() -> Response:  # vLLM's; lm-eval's remote tokenizer reads it
+        engine = state.require_engine()
+        tok = engine.tokenizer
+        info = TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
+            pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
+            model_max_length=engine.max_model_len)
+        return Response(info.model_dump_json(), media_type="application/json")
 
     return app
