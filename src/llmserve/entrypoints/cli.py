@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod_name in ("llmserve.entrypoints.openai.serve_cmd", "llmserve.entrypoints.plan_cmd",
                      "llmserve.entrypoints.bench_cmd", "llmserve.entrypoints.audit_cmd",
                      "llmserve.entrypoints.router_cmd", "llmserve.deploy.cli",
-                     "llmserve.registry.cli"):
+                     "llmserve.registry.cli", "llmserve.entrypoints.batch.batch_cmd"):
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:

@@ -5,6 +5,9 @@ or the master key from ``$LLMSERVE_MASTER_KEY``)::
 
     GET  /health                           200 {"status": "ok"} (no key)
     GET  /metrics                          Prometheus text (admin)
+    GET  /dashboard                        live metrics page (no key; its data is admin:
+                                           /metrics/json, /dashboard/data, merged over
+                                           the upstreams, see llmserve.metrics.dashboard)
     GET  /v1/models                        upstream models the key may use (any role)
     POST /v1/completions, /v1/chat/completions   proxied (admin, member)
     /admin/keys, /admin/keys/{id}, /admin/usage  see :mod:`llmserve.gateway.admin`
@@ -16,6 +19,7 @@ if it is 1-128 of ``A-Za-z0-9._:-``, else a new one), also sent to the upstream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import re
@@ -33,6 +37,13 @@ from llmserve.gateway.hooks import AuditSink, SafetyPipeline
 from llmserve.gateway.keys import KeyStore, StoreUnavailable
 from llmserve.gateway.limits import Limiter
 from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.metrics.dashboard import (
+    DASHBOARD_PATHS,
+    register_routes,
+    remote_snapshot,
+    run_async_sampler,
+)
+from llmserve.metrics.history import MetricsHistory
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_AUTH_HEADER = 512
@@ -171,7 +182,7 @@ class GatewayMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
             await send(message)
 
-        if scope["path"] != "/health":
+        if scope["path"] != "/health" and scope["path"] not in DASHBOARD_PATHS:
             try:
                 state["principal"] = await self.gw.authenticate(scope["headers"])
             except GatewayError as e:
@@ -212,6 +223,11 @@ def build_app(config: GatewayConfig, audit: AuditSink | None = None,
     from llmserve.gateway import admin, proxy
 
     gw = Gateway(config, audit, safety)
+    history = MetricsHistory(interval_s=2.0)
+
+    async def snapshot() -> dict:  # the dashboard's: merged over the upstreams
+        return await remote_snapshot(gw.client, list(config.upstreams), gw.metrics.registry,
+                                     gw.upstream_headers("gw-metrics"))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -223,7 +239,9 @@ def build_app(config: GatewayConfig, audit: AuditSink | None = None,
             import logging
 
             logging.getLogger(__name__).warning("could not seed keys into Redis: %s", e)
+        sampler = asyncio.create_task(run_async_sampler(history, snapshot))
         yield
+        sampler.cancel()
         await gw.client.aclose()
         await gw.redis.aclose()
 
@@ -266,6 +284,9 @@ def build_app(config: GatewayConfig, audit: AuditSink | None = None,
     async def metrics(request: Request) -> Response:
         require_role(request, "admin")
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    register_routes(app, history, snapshot, "gateway", "gateway",
+                    guard=lambda request: require_role(request, "admin"))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

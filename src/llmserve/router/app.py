@@ -5,7 +5,9 @@ policy among the workers that serve the body's ``model``; a tier alias is resolv
 first, :mod:`llmserve.router.tiers`), ``GET /v1/models`` (every worker's models and
 the tier aliases), ``POST /tokenize``/``/detokenize`` (forwarded to any
 eligible worker), ``GET /health`` (200 while some worker is eligible),
-``GET /metrics`` (:mod:`llmserve.router.metrics`), ``GET/POST /workers`` and
+``GET /metrics`` (:mod:`llmserve.router.metrics`), ``GET /dashboard`` (and its
+``/metrics/json``, ``/dashboard/data``: the workers' engine metrics merged, see
+:mod:`llmserve.metrics.dashboard`), ``GET/POST /workers`` and
 ``DELETE /workers/{id}`` (draining: no new requests; removed when idle).
 
 Retries: an attempt that fails before the client got its first byte (refused
@@ -28,6 +30,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmserve.metrics.dashboard import register_routes, remote_snapshot, run_async_sampler
+from llmserve.metrics.history import MetricsHistory
 from llmserve.router.health import HealthChecker
 from llmserve.router.policies import RouteRequest
 from llmserve.router.prefix import prompt_block_hashes
@@ -271,14 +275,23 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
                             timeout_s=max(1.0, min(5.0, 2 * health_interval_s)),
                             block_size=block_size)
 
+    history = MetricsHistory(interval_s=max(1.0, health_interval_s))
+
+    async def snapshot() -> dict:  # the dashboard's: merged over the healthy workers
+        pool.metrics.render(list(pool.workers.values()))  # refresh the router's gauges
+        return await remote_snapshot(client, [w.url for w in pool.workers.values()
+                                              if w.healthy], pool.metrics.registry)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await checker.run_once()
         task = asyncio.create_task(checker.run())
+        sampler = asyncio.create_task(run_async_sampler(history, snapshot))
         try:
             yield
         finally:
             task.cancel()
+            sampler.cancel()
             await client.aclose()
 
     app = FastAPI(title="llmserve router", lifespan=lifespan)
@@ -323,6 +336,8 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
     async def metrics() -> Response:
         body, ctype = pool.metrics.render(list(pool.workers.values()))
         return Response(body, media_type=ctype)
+
+    register_routes(app, history, snapshot, "router", "router")
 
     @app.get("/workers")
     async def list_workers() -> dict:

@@ -10,6 +10,8 @@ route                    method  answer
 /health                  GET     200 when ready, 503 while loading or after a failure
 /version                 GET     ``{"version": ...}``
 /metrics                 GET     Prometheus text format (see :mod:`llmserve.metrics.prometheus`)
+/dashboard               GET     live metrics page; ``/metrics/json``, ``/dashboard/data`` its
+                                 JSON (:mod:`llmserve.metrics.dashboard`)
 /tokenize, /detokenize   POST    vLLM's tokenizer endpoints
 =======================  ======  ===================================================
 
@@ -49,6 +51,7 @@ from llmserve.entrypoints.openai.openapi import install_openapi, responses
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
+from llmserve.metrics.dashboard import DASHBOARD_PATHS, DATA_PATHS, install_server_dashboard
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.protocol import validation_message
 from llmserve.protocol.openai import (
@@ -198,9 +201,10 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     app.state.server = state
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added last = outermost: a request without the key is never read
-        app.add_middleware(APIKeyMiddleware, api_key=api_key,
-                           open_paths=("/health", "/metrics", DIGEST_PATH) if public_metrics
-                           else ("/health",))
+        open_paths = ("/health", *DASHBOARD_PATHS)
+        if public_metrics:
+            open_paths += ("/metrics", *DATA_PATHS, DIGEST_PATH)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _install_error_handlers(app)
     install_openapi(app, api_key_required=bool(api_key))
 
@@ -220,6 +224,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     async def metrics() -> Response:
         body, content_type = state.stat_logger.render()
         return Response(body, media_type=content_type)
+
+    install_server_dashboard(app, state.stat_logger.registry, served_model_names[0])
 
     @app.get("/v1/models", responses=responses(ModelList, 503))
     async def models() -> Response:
