@@ -16,6 +16,7 @@ from llmserve.layers.attention import (
     get_attn_backend,
     register_backend,
 )
+from llmserve.layers.attention.cpu import PREFILL_TILE
 
 
 def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, window=None, seed=0):
@@ -91,6 +92,7 @@ CASES = {
     "prefills": [(0, 5), (3, 9), (16, 1), (0, 2)],
     "mixed": [(8, 1), (0, 1), (21, 1), (5, 8), (0, 7), (13, 3)],
     "long_mixed": [(40, 1), (3, 1), (33, 17), (0, 29)],
+    "long_prefills": [(70, 30), (0, 75), (31, 2)],  # several tiles, a window's late start
 }
 
 
@@ -154,17 +156,24 @@ def test_cpu_metadata_groups():
     assert md.decode_seq_lens.tolist() == common.seq_lens_list[:3]
     assert md.decode_mask is None  # built on first use by the PyTorch decode path
     assert [(p.token_start, p.token_end) for p in md.prefills] == [(0, 8), (8, 15), (15, 18)]
+    tile = PREFILL_TILE
     for p, q_len, seq_len in zip(md.prefills, common.query_lens[3:], common.seq_lens_list[3:]):
-        if q_len == seq_len:  # a fresh prompt: causal over its own K/V, no blocks, no mask
-            assert p.block_table is None and p.mask is None
-        else:
-            blocks = -(-seq_len // 4)
-            assert p.block_table.shape == (1, blocks)
-            assert p.mask.shape == (1, 1, q_len, blocks * 4)
-            assert p.mask[0, 0, -1].sum() == seq_len  # the last query sees every key
-    fresh = CpuAttentionBackend.build_metadata(
-        CommonAttentionMetadata.from_lists([5], [5], [[3, 1]], 4))
-    assert fresh.prefills[0].mask is None
+        first = (seq_len - q_len) // tile * tile  # tiles at fixed positions
+        assert p.row_offset == seq_len - q_len - first
+        assert p.num_rows == -(-seq_len // tile) * tile - first
+        assert p.block_table.shape == (1, -(-(first + p.num_rows) // 4))  # null-padded
+        assert [(t.row_start, t.key_start, t.key_end) for t in p.tiles] == \
+            [(r, 0, first + r + tile) for r in range(0, p.num_rows, tile)]
+        for t in p.tiles:
+            assert t.mask.shape == (1, 1, tile, t.key_end)
+            assert t.mask[0, 0].sum(-1).tolist() == list(range(first + t.row_start + 1,
+                                                               first + t.row_start + tile + 1))
+    windowed = CpuAttentionBackend.build_metadata(
+        CommonAttentionMetadata.from_lists([30], [100], [list(range(1, 26))], 4,
+                                           sliding_window=10))
+    assert [(t.key_start, t.key_end) for t in windowed.prefills[0].tiles] == \
+        [(52, 96), (84, 128)]  # the window's first block on
+    assert windowed.prefills[0].tiles[1].mask[0, 0].sum(-1).tolist() == [10] * tile
 
 
 def test_registry_and_errors():

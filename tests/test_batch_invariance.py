@@ -15,6 +15,8 @@ token ids and the same logprobs, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,22 +80,61 @@ def _diverging(got: list[tuple], want: list[tuple]) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
 
 
+@pytest.fixture(scope="module")
+def default_engine():
+    """The default format (bfloat16, gguf-hybrid), prefix cache off, a step budget that
+    takes every prompt whole."""
+    from llmserve import LLM
+
+    engine = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
+                 enable_prefix_caching=False).engine
+    assert engine.runner.model.model.layers[0].mlp.down_proj.quant_method.config.name == \
+        "gguf-hybrid"
+    return engine
+
+
 @pytest.mark.model
-def test_default_format_greedy_output_is_batch_invariant():
+def test_default_format_greedy_output_is_batch_invariant(default_engine):
     """16 prompts alone vs batched vs arriving one per step beside running decodes.
 
     Before the fix (gguf-hybrid chose int4 or dense by the step's token count):
     11 of 16 diverged batched (issue 20)."""
+    alone = _alone(default_engine, PROMPTS)
+    assert _diverging(_run(default_engine, PROMPTS), alone) == []
+    assert _diverging(_run(default_engine, PROMPTS, stagger=True), alone) == []
+
+
+@pytest.mark.model
+def test_default_format_greedy_output_ignores_prefix_cache_and_chunking(default_engine):
+    """Default format: 16 prompts (half behind the shared 3-block prefix) give the same
+    tokens and logprobs computed whole (cache off, one step) as chunked by a 40-token
+    budget, with the prefix cache hit, and with every full block cached (prompts of
+    16 k + 1 tokens then compute one token: a one-token prompt chunk).
+
+    Before the fixed prefill tiles (issue 20), measured on these prompts: 14 of 16
+    differed chunked, 12 of 16 with cache hits, 15 of 16 fully cached (the prefill
+    SDPA's summation order followed the chunk's query and key lengths)."""
     from llmserve import LLM
 
-    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
-              enable_prefix_caching=False)
-    engine = llm.engine
-    assert engine.runner.model.model.layers[0].mlp.down_proj.quant_method.config.name == \
-        "gguf-hybrid"
-    alone = _alone(engine, PROMPTS)
-    assert _diverging(_run(engine, PROMPTS), alone) == []
-    assert _diverging(_run(engine, PROMPTS, stagger=True), alone) == []
+    prompts = [PREFIX + p if i % 2 else p for i, p in enumerate(PROMPTS)]
+    prompts[10] += ","  # 17 tokens
+    prompts[11] = PREFIX + "Write a short story about a cat. Once upon a time,"  # 65
+    want = _run(default_engine, prompts)  # each prompt whole, in one step
+    engine = LLM(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512,
+                 max_num_batched_tokens=40).engine
+    assert engine.config.cache_config.enable_prefix_caching
+    cached_salted, cached_warm, cached_full = [], [], []
+    salts = [f"salt-{i}" for i in range(len(prompts))]
+    # chunked, no hits (unique salts)
+    assert _diverging(_run(engine, prompts, salts=salts, cached=cached_salted), want) == []
+    # chunked, the shared prefix from the cache once its first request computed it
+    assert _diverging(_run(engine, prompts, cached=cached_warm), want) == []
+    # every full block of every prompt cached
+    assert _diverging(_run(engine, prompts, cached=cached_full), want) == []
+    lens = [len(engine.tokenizer.encode(p)) for p in prompts]
+    assert sum(cached_salted) == 0 and max(cached_warm) >= 48
+    assert cached_full == [(n - 1) // 16 * 16 for n in lens]
+    assert {lens[10] - cached_full[10], lens[11] - cached_full[11]} == {1}
 
 
 @pytest.mark.model
@@ -157,3 +198,48 @@ def test_deterministic_flag_parses_and_refuses_what_it_cannot_run():
         check_deterministic_supported("cpu", "float32", "reference")
     with pytest.raises(ValueError, match="--device cpu"):
         check_deterministic_supported("cuda:0", "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_attention_rows_ignore_chunking_and_cached_prefix(dtype, window):
+    """The cpu backend's prompt rows: the same bits computed whole, in chunks cut
+    anywhere, after a cached prefix, beside other prompts, with garbage in every
+    slot the row may not see (free slots, other blocks, the rest of the last block)."""
+    from llmserve.layers.attention import CommonAttentionMetadata, CpuAttentionBackend
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, block_size, seq_len = 9, 3, 64, 16, 150
+    backend = CpuAttentionBackend(heads, dim, kv_heads, dim ** -0.5, sliding_window=window)
+    query = torch.randn(seq_len, heads, dim, generator=gen).to(dtype)
+    key = torch.randn(seq_len, kv_heads, dim, generator=gen).to(dtype)
+    value = torch.randn(seq_len, kv_heads, dim, generator=gen).to(dtype)
+    blocks = list(range(3, 3 + -(-seq_len // block_size)))
+    other_blocks = list(range(20, 24))  # another prompt, computed in the same steps
+
+    def attend(chunks: list[int], other_len: int = 0) -> torch.Tensor:
+        """Run the prompt as consecutive chunks of these lengths; its rows' output."""
+        key_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen).to(dtype) * 3
+        value_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen).to(dtype)
+        outs, done = [], 0
+        for n in chunks:
+            lens, tables = [n], [blocks]
+            q, k, v = query[done:done + n], key[done:done + n], value[done:done + n]
+            if other_len:  # a fresh prompt first in the step
+                lens, tables = [other_len, n], [other_blocks, blocks]
+                q, k, v = (torch.cat([torch.randn(other_len, *t.shape[1:], generator=gen)
+                                      .to(dtype), t]) for t in (q, k, v))
+            common = CommonAttentionMetadata.from_lists(
+                lens, [other_len, done + n][-len(lens):], tables, block_size)
+            # a one-token prompt chunk is a prefill (the runner's rule), not a decode
+            common = dataclasses.replace(common, num_decodes=0)
+            out = backend.forward(q, k, v, key_cache, value_cache,
+                                  CpuAttentionBackend.build_metadata(common))
+            outs.append(out[-n:])
+            done += n
+        return torch.cat(outs)
+
+    whole = attend([seq_len])
+    for chunks in ([48, 102], [1, 40, 1, 108], [33, 31, 86], [149, 1], [7] * 21 + [3]):
+        assert torch.equal(attend(chunks), whole), chunks
+    assert torch.equal(attend([64, 86], other_len=50), whole)

@@ -161,11 +161,15 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def _prepare_inputs(self, sched: SchedulerOutput):
         num_sched = sched.num_scheduled_tokens
-        # decodes (one new token) first, then prefill chunks
-        order = sorted(num_sched, key=lambda r: num_sched[r] != 1)
+        # decodes (one new token past the prompt) first, then prefill chunks; a one-token
+        # prompt chunk (the rest of a prefix-cache hit, a chunk boundary) is a prefill, so
+        # a prompt token runs the prompt path's kernels wherever its chunk starts
+        decode = {r: num_sched[r] == 1 and self.requests[r].num_computed_tokens
+                  >= self.requests[r].num_prompt_tokens for r in num_sched}
+        order = sorted(num_sched, key=lambda r: not decode[r])
         states = [self.requests[r] for r in order]
         query_lens = [num_sched[r] for r in order]
-        num_decodes = sum(1 for q in query_lens if q == 1)
+        num_decodes = sum(decode.values())
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
         seq_lens, logits_idx, sample_states = [], [], []

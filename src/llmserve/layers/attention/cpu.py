@@ -1,4 +1,4 @@
-"""The ``"cpu"`` attention backend: decodes in one call, prefills one SDPA call each.
+"""The ``"cpu"`` attention backend: decodes in one call, prefills in fixed query tiles.
 
 ``build_metadata`` precomputes, once per step, the block tables and masks of
 two groups, shared by every layer::
@@ -10,14 +10,29 @@ two groups, shared by every layer::
                    otherwise gather each context by its block table (padded to the
                    longest) -> K/V [num_decodes, max_ctx, Hkv, D]; query heads viewed
                    as [Hkv, group] so K/V are not repeated; padding mask
-    prefill group: one scaled_dot_product_attention per sequence, unpadded: a
-                   fresh prompt runs causal flash attention on this step's K/V
-                   (is_causal: the masked half is skipped); a chunk with earlier
-                   context (or a sliding window) gathers its blocks and uses its
-                   causal-with-offset mask (+ window). Padding every prompt to the
-                   longest with a full mask did ~5x the work on mixed-length
-                   batches (a 2,048-token step of 9 prompts: 34 ms of attention per
-                   layer; docs/benchmarks.md).
+    prefill group: K/V written to the cache first, then read back by the block table;
+                   the query rows cut into tiles at fixed absolute positions:
+
+        positions   0        32       64       96              (PREFILL_TILE = 32)
+        tiles       [  t0   ][  t1   ][  t2   ][  t3   ]
+        chunk             [ 20 ........................ 90 ]   rows of t0 < 20, t3 > 90:
+                                                               zero padding, dropped
+        tile [a, a + 32): one scaled_dot_product_attention of 32 query rows over
+                          keys [k0, a + 32), mask key <= query (+ window); k0 = 0, or
+                          the window's first block
+
+    so the call that computes a prompt token, its shapes and its mask depend only on
+    the token's position: never on where its chunk starts or ends, how much of the
+    prompt came from the prefix cache, or the other sequences of the step.
+
+Batch invariance (issue 20): PyTorch's CPU flash attention sums a row in an order
+set by the call's query and key lengths (its q/kv split sizes, the causal cut-off of
+the last key block), so the old per-chunk call (causal over a fresh prompt's own
+K/V, a masked call over the gathered context after a cache hit or an earlier chunk)
+gave a token other bits when the prompt was chunked or came partly from the prefix
+cache (docs/benchmarks.md). With the tile's shapes fixed, a row's bits are a
+function of its query, its keys and values, and its position alone (masked keys add
+exact zeros; tests/test_attention.py checks it with garbage in the masked slots).
 
 Works in float32, bfloat16 and float16, on CPU and CUDA (all index and mask
 tensors live on the block table's device). Algorithm: PagedAttention (Kwon
@@ -95,18 +110,37 @@ class CpuAttentionMetadata:
         return decodes, prefills
 
 
+# query rows per prefill attention call; tiles start at multiples of it (module doc)
+PREFILL_TILE = 32
+
+
+@dataclass
+class PrefillTile:
+    """One attention call of a prefill: padded query rows ``row_start .. row_start +
+    PREFILL_TILE`` of its sequence's tile space over the keys ``key_start .. key_end``."""
+
+    row_start: int
+    key_start: int
+    key_end: int
+    mask: torch.Tensor  # [1, 1, PREFILL_TILE, key_end - key_start] bool, True = attend
+
+
 @dataclass
 class PrefillSeq:
     """One prefill (chunk) of a step; token offsets relative to the first prefill token.
 
-    A fresh prompt (no earlier context, window inactive) has ``block_table`` and
-    ``mask`` None: it attends causally over this step's own K/V.
+    Its query rows sit at ``row_offset ..`` of a zero-padded tile space of ``num_rows``
+    rows (whole tiles, the first at absolute position ``first_tile_pos``); keys come
+    from the cache through ``block_table`` (padded with the null block 0 up to the last
+    tile's end).
     """
 
     token_start: int
     token_end: int
-    block_table: torch.Tensor | None  # [1, num_blocks] int64
-    mask: torch.Tensor | None  # [1, 1, query_len, num_blocks * block_size] bool
+    row_offset: int
+    num_rows: int
+    block_table: torch.Tensor  # [1, num_blocks] int64
+    tiles: list[PrefillTile]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -124,27 +158,46 @@ def _decode_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     return mask[:, None, None, :]
 
 
+def _tile_mask(tile_pos: int, key_start: int, window: int | None,
+               device: torch.device) -> torch.Tensor:
+    """[1, 1, PREFILL_TILE, tile_pos + PREFILL_TILE - key_start] bool: causal (+ window)."""
+    query_pos = torch.arange(tile_pos, tile_pos + PREFILL_TILE, device=device)[:, None]
+    key_pos = torch.arange(key_start, tile_pos + PREFILL_TILE, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask[None, None]
+
+
 def _build_prefills(common: CommonAttentionMetadata, window: int | None) -> list[PrefillSeq]:
-    """Per prefill: its token range and, unless it is a fresh causal prompt, its blocks
-    and its causal-with-offset mask (+ sliding window) over them."""
+    """Per prefill: its token range, its place in the fixed tiles, its block table and
+    the tiles' key ranges and masks (shared between sequences: keyed by position)."""
     nd = common.num_decodes
     device = common.block_table.device
     block_size = common.block_size
+    width = common.block_table.shape[1]
+    masks: dict[tuple[int, int], torch.Tensor] = {}
     prefills, start = [], 0
     for i in range(nd, common.num_seqs):
         q_len, seq_len = common.query_lens[i], common.seq_lens_list[i]
         end = start + q_len
-        if seq_len == q_len and (window is None or seq_len <= window):
-            prefills.append(PrefillSeq(start, end, None, None))
-        else:
-            num_blocks = _ceil_div(seq_len, block_size)
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
-            key_pos = torch.arange(num_blocks * block_size, device=device)[None, :]
-            mask = key_pos <= query_pos  # [q_len, num_blocks * block_size]
-            if window is not None:
-                mask &= key_pos > query_pos - window
-            prefills.append(PrefillSeq(start, end, common.block_table[i:i + 1, :num_blocks],
-                                       mask[None, None]))
+        first = (seq_len - q_len) // PREFILL_TILE * PREFILL_TILE  # first tile's position
+        last = _ceil_div(seq_len, PREFILL_TILE) * PREFILL_TILE  # last tile's end
+        num_blocks = _ceil_div(last, block_size)
+        table = common.block_table[i:i + 1, :min(num_blocks, width)]
+        if table.shape[1] < num_blocks:  # keys past the context: the null block, masked
+            table = torch.cat([table, table.new_zeros(1, num_blocks - table.shape[1])], 1)
+        tiles = []
+        for pos in range(first, last, PREFILL_TILE):
+            key_start = 0
+            if window is not None:  # the first block any row of the tile can see
+                key_start = max(0, pos - window + 1) // block_size * block_size
+            mask = masks.get((pos, key_start))
+            if mask is None:
+                mask = masks[(pos, key_start)] = _tile_mask(pos, key_start, window, device)
+            tiles.append(PrefillTile(pos - first, key_start, pos + PREFILL_TILE, mask))
+        prefills.append(PrefillSeq(start, end, seq_len - q_len - first, last - first, table,
+                                   tiles))
         start = end
     return prefills
 
@@ -229,24 +282,26 @@ class CpuAttentionBackend(AttentionBackend):
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  metadata: CpuAttentionMetadata) -> torch.Tensor:
-        """One SDPA call per prefill: no padding, and fresh prompts run causal flash
-        attention on this step's K/V (half the work of a full mask)."""
+        """Each prefill's query rows in fixed tiles over its cached K/V (module doc):
+        one SDPA call per tile, the same shapes and mask for a token wherever its chunk
+        starts. (``key``/``value`` are in the cache already; they are read from there.)"""
         gqa = self.num_queries_per_kv > 1
         prefills = metadata.prefills
         output = None if len(prefills) == 1 else torch.empty_like(query)
         for p in prefills:
-            q = query[p.token_start:p.token_end].transpose(0, 1)[None]  # [1, H, q_len, D]
-            if p.block_table is None:
-                k = key[p.token_start:p.token_end].transpose(0, 1)[None]
-                v = value[p.token_start:p.token_end].transpose(0, 1)[None]
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                     enable_gqa=gqa)
-            else:
-                k = self._gather(key_cache, p.block_table)  # [1, Hkv, ctx, D]
-                v = self._gather(value_cache, p.block_table)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask,
-                                                     scale=self.scale, enable_gqa=gqa)
-            out = out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
+            n = p.token_end - p.token_start
+            # [1, H, num_rows, D]: the chunk's rows at their place in the tiles, zero padded
+            q = F.pad(query[p.token_start:p.token_end],
+                      (0, 0, 0, 0, p.row_offset, p.num_rows - p.row_offset - n))
+            q = q.transpose(0, 1)[None]
+            k = self._gather(key_cache, p.block_table)  # [1, Hkv, num_blocks * bs, D]
+            v = self._gather(value_cache, p.block_table)
+            outs = [F.scaled_dot_product_attention(
+                q[:, :, t.row_start:t.row_start + PREFILL_TILE], k[:, :, t.key_start:t.key_end],
+                v[:, :, t.key_start:t.key_end], attn_mask=t.mask, scale=self.scale,
+                enable_gqa=gqa) for t in p.tiles]  # each [1, H, PREFILL_TILE, D]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+            out = out[0, :, p.row_offset:p.row_offset + n].transpose(0, 1)  # [n, H, D]
             if output is None:
                 return out
             output[p.token_start:p.token_end] = out
