@@ -176,6 +176,7 @@ class AutoscalingSpec(_Strict):
 
     enabled: bool = False
     target_num_requests_waiting: float | None = Field(5.0, gt=0)
+    target_concurrency: float | None = Field(None, gt=0)  # running + waiting (KPA's)
     target_kv_cache_usage: float | None = Field(0.8, gt=0, le=1)
     target_ttft_p90_s: float | None = Field(None, gt=0)
     stable_window_s: float = Field(60.0, gt=0)
