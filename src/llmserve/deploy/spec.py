@@ -69,6 +69,8 @@ class WorkerTemplate(_Strict):
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt = 16
     device: str = "auto"
+    tune_goal: Literal["latency", "throughput"] = "throughput"  # for the `auto` values
+    tbt_slo_ms: float = Field(100.0, gt=0)  # latency goal: a step's longest decode stall
     extra_args: list[str] = []  # more `llmserve serve` flags, passed as they are
 
 
