@@ -327,6 +327,16 @@ def _cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
     return errs
 
 
+_TYPE_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*|dict\[.*|literal\[.*"
+                       r"|function-[a-z]+\[.*|constrained-[a-z]+)$")
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic puts the union member tried (``int``, ``literal['auto']``) into an
+    error's ``loc``; those are not field names."""
+    return isinstance(part, str) and bool(_TYPE_TAG.match(part))
+
+
 def parse_spec(text: str, source: str = "<string>") -> DeploymentSpec:
     """Validate the YAML ``text``.
 
@@ -342,9 +352,7 @@ def parse_spec(text: str, source: str = "<string>") -> DeploymentSpec:
     except ValidationError as e:
         errors = []
         for err in e.errors():
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-                p.startswith(("literal[", "function-", "int", "str", "float"))
-                or p in ("constrained-str",))))
+            loc = tuple(p for p in err["loc"] if not _is_type_tag(p))
             msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
             errors.append((loc, line_of(lines, loc), msg))
         # one error per field (a union reports each alternative)
