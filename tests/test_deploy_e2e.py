@@ -30,7 +30,11 @@ CLI = [sys.executable, "-m", "llmserve.entrypoints.cli"]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout)
+    # one torch thread per worker: two workers on a shared 2-core machine otherwise
+    # oversubscribe it (OpenMP spin-waits) and every step slows down many times over
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +61,11 @@ def deployment(tmp_path_factory, s3):
             worker: {{max_num_seqs: 8, kv_cache_memory: 128MiB}}
             replicas: {{min: 1, max: 2}}
         router: {{policy: least_load, health_interval_s: 0.5}}
+        autoscaling: {{enabled: true, target_num_requests_waiting: 4, target_concurrency: 6,
+                      target_kv_cache_usage: null, stable_window_s: 6, panic_window_s: 2,
+                      scale_down_cooldown_s: 4, interval_s: 0.5}}
         gateway:
-          teams: {{research: {{rpm: 600}}}}
+          teams: {{research: {{rpm: 100000}}}}
           keys:
             - {{id: {key_id}, team: research, role: member, key_hash: "{hash_secret(secret)}"}}
         """))
@@ -111,15 +118,89 @@ def test_status_lists_every_process_healthy(deployment):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(cli("status", "--state-dir", deployment["state"], "--json").stdout)
     roles = sorted(p["role"] for p in rows["procs"])
-    assert roles == ["gateway", "redis", "router", "worker"]
+    assert roles == ["autoscaler", "gateway", "redis", "router", "worker"]
     assert all(p["alive"] for p in rows["procs"])
-    assert all(p["health"] == "200" for p in rows["procs"] if p["role"] != "redis")
+    assert all(p["health"] == "200" for p in rows["procs"] if p["url"].startswith("http"))
     # the router knows the one worker the state file names
     import httpx
 
     listed = httpx.get(rows["router_url"] + "/workers", timeout=10).json()["workers"]
     assert [w["url"] for w in listed] == [p["url"] for p in rows["procs"]
                                           if p["role"] == "worker"]
+
+
+def router_workers(deployment) -> list[dict]:
+    import httpx
+
+    url = deployment["status"]["router_url"]
+    return httpx.get(url + "/workers", timeout=10).json()["workers"]
+
+
+async def _load(url: str, secret: str, until, concurrency: int, max_tokens: int,
+                deadline: float) -> list[str]:
+    """``concurrency`` clients sending requests back to back until ``until()`` or the
+    deadline; returns an outcome per request ("ok" or the error)."""
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=url, api_key=secret, timeout=300, max_retries=0)
+    outcomes: list[str] = []
+
+    async def one(i: int) -> None:
+        while not until() and time.monotonic() < deadline:
+            try:
+                r = await client.completions.create(
+                    model="smollm2", prompt=f"Request {i}: count to twenty:",
+                    max_tokens=max_tokens, temperature=0)
+                outcomes.append("ok" if r.choices[0].text is not None else "empty")
+            except openai.APIError as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+
+    async def watch() -> None:
+        while not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+
+    await asyncio.gather(watch(), *[one(i) for i in range(concurrency)])
+    await client.close()
+    return outcomes
+
+
+def test_autoscaler_burst_scales_up_then_drains_back(deployment):
+    import asyncio
+
+    url = deployment["status"]["gateway_url"] + "/v1"
+    t0 = time.monotonic()
+    # 16 clients: concurrency 16 / target 6 -> 3 replicas (max 2); 8 run, 8 wait on one
+    seen = {"n": 1}
+
+    def scaled_up() -> bool:
+        seen["n"] = len([w for w in router_workers(deployment) if w["healthy"]])
+        return seen["n"] >= 2
+
+    burst = asyncio.run(_load(url, deployment["secret"], scaled_up, 16, 8, t0 + 300))
+    assert seen["n"] == 2, "the burst did not scale to 2 workers"
+    t_up = time.monotonic() - t0
+    # a trickle (one request at a time: nothing waits) while the autoscaler drains back
+    def state_workers() -> int:  # the autoscaler saves the state once a drained worker
+        text = Path(deployment["state"], "e2e", "state.json").read_text()  # has stopped
+        return len([p for p in json.loads(text)["procs"] if p["role"] == "worker"])
+
+    trickle = asyncio.run(_load(url, deployment["secret"],
+                                lambda: state_workers() == 1, 1, 4, time.monotonic() + 180))
+    t_down = time.monotonic() - t0
+    assert len(router_workers(deployment)) == 1
+    failed = [o for o in burst + trickle if o != "ok"]
+    assert not failed, failed[:5]
+    assert trickle, "no request ran during the scale-down"
+    log = Path(deployment["state"], "e2e", "autoscaler.log").read_text().splitlines()
+    events = [json.loads(line) for line in log if line.startswith("{")]
+    assert [e["event"] for e in events if "event" in e] == ["added", "removed"]
+    ticks = [e for e in events if "replicas" in e]
+    first_up = next(i for i, e in enumerate(ticks) if e["desired"] == 2)
+    assert ticks[first_up]["replicas"] == 1  # decided at 1 replica, then added
+    assert any(e["replicas"] == 2 and e["desired"] == 1 for e in ticks[first_up:])
+    print(f"[autoscale] 1 -> 2 workers after {t_up:.1f} s of burst ({len(burst)} requests), "
+          f"back to 1 after {t_down:.1f} s ({len(trickle)} requests during scale-down), "
+          f"0 failed")
 
 
 def test_down_stops_everything_and_leaves_no_process(deployment):

@@ -91,6 +91,10 @@ def test_bad_values_and_yaml():
     assert loc == "models[0].worker.kv_cache_memory" and "4GiB" in msg
     (loc, _, _), = errors(GOOD.replace("name: demo", "name: Demo_1"))
     assert loc == "name"
+    (loc, line, _), = errors(GOOD + "autoscaling: {interval_s: -1}\n")
+    assert (loc, line) == ("autoscaling.interval_s", 10)
+    (loc, _, msg), = errors(GOOD.replace("max_num_seqs: 8,", "max_num_batched_tokens: -5,"))
+    assert loc == "models[0].worker.max_num_batched_tokens" and "greater than 0" in msg
     with pytest.raises(ValueError, match=r"llmserve.yaml:4: not valid YAML"):
         parse_spec("name: a\nmodels:\n  - [\n", "llmserve.yaml")
     with pytest.raises(ValueError, match="duplicate key 'name'"):

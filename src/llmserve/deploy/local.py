@@ -26,8 +26,46 @@ from llmserve.deploy.spec import DEFAULT_MODEL, DeploymentSpec, ModelSpec, load_
 STOP_ORDER = ("autoscaler", "gateway", "router", "worker", "redis")
 
 
-def worker_args(m: ModelSpec) -> list[str]:
-    """The ``llmserve serve`` flags of one replica of ``m`` (no host/port).
+def tune_command(m: ModelSpec) -> list[str] | None:
+    """``llmserve tune --json ...`` for the worker settings that say ``auto`` (None if
+    none does)."""
+    w = m.worker
+    if w.max_num_batched_tokens != "auto" and w.kv_cache_memory != "auto":
+        return None
+    cmd = CLI + ["tune", "--json", "--goal", w.tune_goal, "--tbt-slo-ms", str(w.tbt_slo_ms),
+                 "--model", m.source, "--dtype", m.dtype, "--quantization", m.quantization,
+                 "--max-num-seqs", str(w.max_num_seqs), "--block-size", str(w.block_size),
+                 "--device", w.device]
+    if w.max_model_len is not None:
+        cmd += ["--max-model-len", str(w.max_model_len)]
+    return cmd
+
+
+def run_tune(m: ModelSpec, log_path: str, timeout_s: float) -> dict | None:
+    """Run :func:`tune_command` (cached per model and machine by ``llmserve tune``).
+
+    Raises:
+        RuntimeError: the tuner failed; the message has the end of its output.
+    """
+    import json
+    import subprocess
+
+    cmd = tune_command(m)
+    if cmd is None:
+        return None
+    with open(log_path, "ab") as log:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, timeout=timeout_s,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if out.returncode != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            raise RuntimeError(f"llmserve tune failed:\n{f.read()[-3000:]}")
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
+    """The ``llmserve serve`` flags of one replica of ``m`` (no host/port); ``auto``
+    values come from ``tuned`` (the JSON of ``llmserve tune``) or are left to the
+    engine's defaults when it is None.
 
     Raises:
         ValueError: a setting ``llmserve serve`` has no flag for yet (parallelism,
@@ -51,8 +89,12 @@ def worker_args(m: ModelSpec) -> list[str]:
             "--disable-uvicorn-access-log"]
     if w.max_num_batched_tokens != "auto":
         args += ["--max-num-batched-tokens", str(w.max_num_batched_tokens)]
+    elif tuned:
+        args += ["--max-num-batched-tokens", str(tuned["max_num_batched_tokens"])]
     if w.kv_cache_memory is not None and w.kv_cache_memory != "auto":
         args += ["--kv-cache-memory", str(w.kv_cache_memory)]
+    elif w.kv_cache_memory == "auto" and tuned:
+        args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
     if w.max_model_len is not None:
         args += ["--max-model-len", str(w.max_model_len)]
     return args + list(w.extra_args)
@@ -102,9 +144,11 @@ def start_redis(st: StateFile, deadline: float) -> ProcRecord:
         time.sleep(0.05)
 
 
-def spawn_worker(st: StateFile, spec: DeploymentSpec, index: int) -> ProcRecord:
+def spawn_worker(st: StateFile, spec: DeploymentSpec, index: int,
+                 tuned: dict | None = None) -> ProcRecord:
     wid = f"worker-{index}"
-    cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0", *worker_args(spec.model)]
+    cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0",
+                 *worker_args(spec.model, tuned)]
     return spawn("worker", wid, cmd, os.path.join(st.dir, f"{wid}.log"), env=s3_env(spec))
 
 
@@ -173,7 +217,13 @@ class Deployment:
                 rec = self._add(start_redis(self.st, deadline))
                 self.data["redis_url"] = rec.url
                 log(f"redis      {rec.url}")
-            workers = [self._add(spawn_worker(self.st, self.spec, i))
+            tuned = run_tune(m, os.path.join(self.st.dir, "tune.log"),
+                             max(1.0, deadline - time.monotonic()))
+            if tuned:
+                self.data["tuned"] = tuned
+                for k in ("max_num_batched_tokens", "kv_cache_memory"):
+                    log(f"tuned      {k} = {tuned[k]}: {tuned['why'][k]}")
+            workers = [self._add(spawn_worker(self.st, self.spec, i, tuned))
                        for i in range(max(m.replicas.min, 1))]
             self.data["next_worker"] = len(workers)
             for w in workers:
@@ -233,7 +283,7 @@ class Deployment:
         """Start one more worker, wait for its health, then add it to the router."""
         index = self.data.get("next_worker", len(self.by_role("worker")))
         self.data["next_worker"] = index + 1
-        rec = self._add(spawn_worker(self.st, self.spec, index))
+        rec = self._add(spawn_worker(self.st, self.spec, index, self.data.get("tuned")))
         try:
             wait_ready(rec, time.monotonic() + timeout_s)
             r = httpx.post(self.data["router_url"] + "/workers",

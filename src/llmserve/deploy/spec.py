@@ -69,6 +69,8 @@ class WorkerTemplate(_Strict):
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt = 16
     device: str = "auto"
+    tune_goal: Literal["latency", "throughput"] = "throughput"  # for the `auto` values
+    tbt_slo_ms: float = Field(100.0, gt=0)  # latency goal: a step's longest decode stall
     extra_args: list[str] = []  # more `llmserve serve` flags, passed as they are
 
 
@@ -176,6 +178,7 @@ class AutoscalingSpec(_Strict):
 
     enabled: bool = False
     target_num_requests_waiting: float | None = Field(5.0, gt=0)
+    target_concurrency: float | None = Field(None, gt=0)  # running + waiting (KPA's)
     target_kv_cache_usage: float | None = Field(0.8, gt=0, le=1)
     target_ttft_p90_s: float | None = Field(None, gt=0)
     stable_window_s: float = Field(60.0, gt=0)
@@ -324,6 +327,16 @@ def _cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
     return errs
 
 
+_TYPE_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*|dict\[.*|literal\[.*"
+                       r"|function-[a-z]+\[.*|constrained-[a-z]+)$")
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic puts the union member tried (``int``, ``literal['auto']``) into an
+    error's ``loc``; those are not field names."""
+    return isinstance(part, str) and bool(_TYPE_TAG.match(part))
+
+
 def parse_spec(text: str, source: str = "<string>") -> DeploymentSpec:
     """Validate the YAML ``text``.
 
@@ -339,9 +352,7 @@ def parse_spec(text: str, source: str = "<string>") -> DeploymentSpec:
     except ValidationError as e:
         errors = []
         for err in e.errors():
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-                p.startswith(("literal[", "function-", "int", "str", "float"))
-                or p in ("constrained-str",))))
+            loc = tuple(p for p in err["loc"] if not _is_type_tag(p))
             msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
             errors.append((loc, line_of(lines, loc), msg))
         # one error per field (a union reports each alternative)

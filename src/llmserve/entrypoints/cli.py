@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     # optional subcommands, each a module with register(subparsers)
     for mod_name in ("llmserve.entrypoints.openai.serve_cmd", "llmserve.entrypoints.plan_cmd",
                      "llmserve.entrypoints.bench_cmd", "llmserve.entrypoints.audit_cmd",
-                     "llmserve.entrypoints.router_cmd", "llmserve.deploy.cli",
-                     "llmserve.registry.cli", "llmserve.entrypoints.batch.batch_cmd"):
+                     "llmserve.entrypoints.router_cmd", "llmserve.entrypoints.tune_cmd",
+                     "llmserve.deploy.cli", "llmserve.registry.cli",
+                     "llmserve.entrypoints.batch.batch_cmd"):
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
