@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 logger = logging.getLogger("llmserve.batch")
 
@@ -116,14 +117,18 @@ async def _run(args, items, store, ckpt_dir: str) -> int:
             limit = args.max_concurrency or engine.max_num_seqs
             bar = tqdm(total=len(items), initial=done, unit="req", file=sys.stderr,
                        disable=args.no_progress, dynamic_ncols=True, desc="batch")
+            t0 = time.perf_counter()
             try:
                 result = await run_batch(items, handler_executor(completion, chat), store,
                                          limit, stop, args.grace_period,
                                          on_result=lambda ok: bar.update(1))
             finally:
                 bar.close()
+            elapsed = time.perf_counter() - t0
             print(f"llmserve batch: submitted {result.submitted}, finished {result.finished}"
-                  f", unfinished {result.unfinished}", file=sys.stderr, flush=True)
+                  f", unfinished {result.unfinished} in {elapsed:.2f} s "
+                  f"({result.finished / max(elapsed, 1e-9):.2f} requests/s)", file=sys.stderr,
+                  flush=True)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -74,6 +74,24 @@ class CheckpointStore:
         self.db.close()
 
 
+def peek_counts(directory: str) -> tuple[int, int] | None:
+    """(succeeded, failed) of the checkpoint in ``directory``, read-only, from any
+    thread or process while a writer runs (WAL); None if there is none yet."""
+    path = os.path.join(directory, FILE_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            ok, total = db.execute("SELECT COALESCE(SUM(ok), 0), COUNT(*) FROM results"
+                                   ).fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+    return int(ok), int(total) - int(ok)
+
+
 def write_atomic(path: str, lines: list[str]) -> None:
     """Write ``lines`` (JSONL) to ``path`` through a fsynced temporary file and a
     rename, so a reader never sees half a file."""

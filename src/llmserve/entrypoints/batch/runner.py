@@ -78,13 +78,15 @@ class RunResult:
 
 async def run_batch(items: Sequence[BatchItem], execute: Executor, store: CheckpointStore,
                     max_in_flight: int, stop: asyncio.Event | None = None,
-                    grace_s: float = 30.0, on_result: Callable[[bool], None] | None = None
-                    ) -> RunResult:
+                    grace_s: float = 30.0, on_result: Callable[[bool], None] | None = None,
+                    abort: asyncio.Event | None = None) -> RunResult:
     """Run every item not yet in ``store``; see the module docstring.
 
     Args:
         max_in_flight: most requests in the engine at once (>= 1).
         on_result: called with ``ok`` after each stored result (a progress bar).
+        abort: once set (with ``stop``), requests in flight are aborted at once instead
+            of getting ``grace_s`` (a cancelled batch).
 
     Raises:
         ValueError: ``max_in_flight`` < 1 or ``grace_s`` < 0.
@@ -141,7 +143,17 @@ async def run_batch(items: Sequence[BatchItem], execute: Executor, store: Checkp
             if tasks:
                 logger.warning("stopping: %d requests in flight get %.0f s to finish",
                                len(tasks), grace_s)
-                _, pending = await asyncio.wait(set(tasks), timeout=grace_s)
+                waits = set(tasks)
+                abort_wait = asyncio.ensure_future((abort or asyncio.Event()).wait())
+                deadline = asyncio.get_running_loop().time() + grace_s
+                while tasks and not abort_wait.done():
+                    left = deadline - asyncio.get_running_loop().time()
+                    if left <= 0:
+                        break
+                    await asyncio.wait(set(tasks) | {abort_wait}, timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                abort_wait.cancel()
+                pending = {t for t in waits if not t.done()}
                 for t in pending:
                     t.cancel()
                 if pending:

@@ -13,6 +13,7 @@ route                    method  answer
 /dashboard               GET     live metrics page; ``/metrics/json``, ``/dashboard/data`` its
                                  JSON (:mod:`llmserve.metrics.dashboard`)
 /tokenize, /detokenize   POST    vLLM's tokenizer endpoints
+/v1/files, /v1/batches   *       OpenAI's Batch API (:mod:`llmserve.entrypoints.batch.api`)
 =======================  ======  ===================================================
 
 The model loads in a background thread started by the lifespan, so the port answers
@@ -42,6 +43,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.batch.api import install_batch_api
 from llmserve.entrypoints.openai.kv_digest import DIGEST_PATH, install_kv_digest
 from llmserve.entrypoints.openai.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -159,7 +161,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               on_ready: Callable[[AsyncLLM], None] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               public_metrics: bool = False,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False,
+              batch_dir: str | None = None) -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
@@ -173,6 +176,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         on_load_failure: called (from the loader thread) when loading fails, e.g. to
             stop the server; ``app.state.server.exit_code`` is then 1.
         on_ready: called (from the loader thread) once the engine runs.
+        batch_dir: where the Batch API keeps files and batches (None: a temporary
+            directory; see :mod:`llmserve.entrypoints.batch.api`).
     """
     state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template)
 
@@ -226,6 +231,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         return Response(body, media_type=content_type)
 
     install_server_dashboard(app, state.stat_logger.registry, served_model_names[0])
+    install_batch_api(app, state, batch_dir)
 
     @app.get("/v1/models", responses=responses(ModelList, 503))
     async def models() -> Response:

@@ -68,6 +68,10 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that requests in flight may take to finish after SIGTERM "
                         "before they are aborted (default 30)")
+    p.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="where the Batch API (/v1/files, /v1/batches) keeps its files and "
+                        "checkpoints; a restart resumes unfinished batches (default: a "
+                        "temporary directory)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     p.add_argument("--log-level", default="info",
@@ -188,7 +192,8 @@ def run_server(args: argparse.Namespace) -> int:
                                             or DEFAULT_MAX_REQUEST_BODY_BYTES),
                     public_metrics=args.allow_unauthenticated_metrics,
                     on_load_failure=on_failure, on_ready=on_ready,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    batch_dir=args.batch_dir)
     config = uvicorn.Config(app, host=host, port=port, log_level=level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S,
