@@ -3,8 +3,8 @@
 Two engines on the same weights (worker A and worker B, float32) share one Redis:
 B serves a long prefix that A computed, loading its blocks instead of computing
 them. The oracle is a third engine without the store (a cold run on B): same
-greedy tokens and the same logprobs, bit for bit. The step budget (192 tokens,
-12 blocks) makes every engine cut the prompt at the same chunk boundaries, so a
+greedy tokens and the same logprobs, bit for bit. The step budget (160 tokens,
+10 blocks) makes every engine cut the prompt at the same chunk boundaries, so a
 load from the store must reproduce the cold run's arithmetic exactly; a corrupt,
 truncated or other-dtype entry must be a miss (fewer cached tokens), never a
 different output.
@@ -26,9 +26,10 @@ from llmserve.kv_cache.kv_store import (
 from tests.gateway_procs import start_redis
 
 BS = 16
-CHUNK = 192  # max_num_batched_tokens: 12 blocks per prefill step
-PREFIX_BLOCKS = 24
-MAX_TOKENS = 8
+CHUNK = 160  # max_num_batched_tokens: 10 blocks per prefill step
+PREFIX_BLOCKS = 20
+BAD = 10  # the block the corruptions hit: a chunk boundary, so B's chunks stay aligned
+MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
@@ -150,31 +151,31 @@ def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url):
 
     block_hashes = extend_block_hashes([], prefix, BS)  # the engine's chained hashes
     client = store_b.client
-    key = block_key(store_b.layout, block_hashes[12])
+    key = block_key(store_b.layout, block_hashes[BAD])
     good = client.get(key)
-    # 1. flipped bytes in the KV of block 12: blocks 0..11 load, 12.. are recomputed
+    # 1. flipped bytes in the KV of block BAD: blocks before it load, the rest are recomputed
+    # (and written back by B)
     bad = bytearray(good)
     for i in range(len(bad) - 4000, len(bad), 97):
         bad[i] ^= 0x5A
     client.set(key, bytes(bad))
-    run_b(12 * BS)
+    run_b(BAD * BS)
     assert store_b.stats.invalid == 1
     # 2. the same block from a bfloat16 worker (same model and block, another dtype)
-    body = torch.frombuffer(bytearray(decode_block(store_b.layout, block_hashes[12], good)),
+    body = torch.frombuffer(bytearray(decode_block(store_b.layout, block_hashes[BAD], good)),
                             dtype=torch.float32).to(torch.bfloat16)
     from dataclasses import replace
 
     bf16 = replace(store_b.layout, dtype="bfloat16")
-    client.set(key, encode_block(bf16, block_hashes[12], body.view(torch.uint8).numpy()
+    client.set(key, encode_block(bf16, block_hashes[BAD], body.view(torch.uint8).numpy()
                                  .tobytes()))
-    run_b(12 * BS)
-    # 3. a truncated first block: nothing loads, everything is recomputed
-    client.set(key, good)
-    key0 = block_key(store_b.layout, block_hashes[0])
-    client.set(key0, client.get(key0)[:-100])
-    run_b(0)
+    run_b(BAD * BS)
+    # 3. the block truncated
+    client.set(key, good[:-100])
+    run_b(BAD * BS)
     assert store_b.stats.invalid == 3
-    # B recomputed block 0 and wrote it back; its next lookup finds the whole chain
+    # B recomputed the block and wrote it back: its next lookup finds the whole chain
+    assert client.get(key) == good
     run_b(PREFIX_BLOCKS * BS)
     for llm in (worker_a, worker_b):
         llm.engine.kv_store.close()
