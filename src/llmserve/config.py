@@ -338,6 +338,9 @@ class CacheConfig:
     ``enable_prefix_caching``: automatic prefix caching (on by default).
     ``swap_space``: bytes of host memory for swapped-out KV blocks (used with
     ``preemption_mode="swap"``); ``num_cpu_blocks_override`` forces its block count.
+    ``kv_store``: a ``redis://HOST:PORT/DB`` URL of a KV cache store shared by workers
+    (``kv_cache/kv_store.py``; needs prefix caching); ``kv_store_ttl``: seconds until a
+    stored block expires (None: never, Redis's maxmemory policy evicts).
     """
 
     block_size: int = 16
@@ -346,8 +349,19 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: int | str = 4 * 1024**3
     num_cpu_blocks_override: int | None = None
+    kv_store: str | None = None
+    kv_store_ttl: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_store is not None and (
+                not isinstance(self.kv_store, str)
+                or not self.kv_store.startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"kv_store must be a redis://HOST:PORT/DB URL, got {self.kv_store!r}")
+        if self.kv_store_ttl is not None and (isinstance(self.kv_store_ttl, bool) or not
+                                              isinstance(self.kv_store_ttl, int)
+                                              or self.kv_store_ttl <= 0):
+            raise ValueError(f"kv_store_ttl must be a positive number of seconds, "
+                             f"got {self.kv_store_ttl!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory is not None:

@@ -123,6 +123,8 @@ class EngineArgs:
     deterministic: bool = False
     # a SpeculativeConfig, its dict, or its JSON (--speculative-config); None = off
     speculative_config: object = None
+    kv_store: str | None = None  # redis://HOST:PORT/DB: the shared KV cache store
+    kv_store_ttl: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -172,6 +174,13 @@ class EngineArgs:
                             '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                             '"model": PATH, "num_speculative_tokens": 4}\' (vLLM names; plus '
                             '"draft_length_policy": "fixed"|"adaptive")')
+        g.add_argument("--kv-store", default=None, metavar="redis://HOST:PORT/DB",
+                       help="share computed prefix-cache blocks with other workers through "
+                            "this Redis (size it with maxmemory + maxmemory-policy "
+                            "allkeys-lru)")
+        g.add_argument("--kv-store-ttl", type=int, default=None, metavar="SECONDS",
+                       help="expire blocks in the KV store after this many seconds "
+                            "(default: never; Redis's maxmemory policy evicts)")
         return parser
 
     @classmethod
@@ -215,7 +224,8 @@ class EngineArgs:
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      swap_space=self._swap_bytes(),
-                                     num_cpu_blocks_override=self.num_cpu_blocks_override),
+                                     num_cpu_blocks_override=self.num_cpu_blocks_override,
+                                     kv_store=self.kv_store, kv_store_ttl=self.kv_store_ttl),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -12,6 +12,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.arg_utils import EngineArgs
+from llmserve.engine.kv_store_io import build_kv_store, write_new_blocks
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
 from llmserve.layers.batch_invariant import make_batch_invariant
@@ -91,9 +92,11 @@ class LLMEngine:
             self.spec_decoding_stats = SpecDecodingStats(
                 num_spec_tokens=config.speculative_config.num_speculative_tokens)
         self._spec_logged_at = time.monotonic()
+        self.kv_store = build_kv_store(config)  # the shared KV store (--kv-store), or None
         self.scheduler = Scheduler(
             config.scheduler_config,
-            KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching),
+            KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                           kv_store=self.kv_store),
             num_host_blocks, num_lookahead_tokens=(
                 self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
                 else 0))
@@ -343,6 +346,9 @@ class LLMEngine:
                 self._spec_logged_at = time.monotonic()
                 logger.info("%s", self.spec_decoding_stats.log_line())
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.kv_store is not None:  # blocks computed this step -> the store's writer
+            write_new_blocks(self.scheduler.kv_cache_manager, self.kv_store,
+                             self.runner.kv_caches)
         outputs, stopped = self.output_processor.process(core_outputs, first_sched)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

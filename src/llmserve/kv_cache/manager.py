@@ -39,9 +39,13 @@ class KVCacheManager:
         num_blocks: blocks in the pool (block 0 is the reserved null block).
         block_size: token slots per block.
         enable_caching: automatic prefix caching.
+        kv_store: a shared KV store (``kv_store.RedisKVStore``; needs ``enable_caching``):
+            local misses are looked up there (:meth:`get_store_hits`), and newly
+            cached blocks are listed for writing (:meth:`pop_newly_cached`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 kv_store=None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -49,6 +53,13 @@ class KVCacheManager:
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.kv_store = kv_store if enable_caching else None
+        # shared KV store: (block hash, block id) cached since the last pop, to be written
+        self.newly_cached: list[tuple[bytes, int]] = []
+        # request -> [first, end) block indices loaded from the store (not written back)
+        self.store_loaded: dict[str, tuple[int, int]] = {}
+        # the last lookup (request id, first block index, bodies): the queue head retries
+        self._store_prefetch: tuple[str, int, list] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -89,6 +100,39 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def get_store_hits(self, request_id: str, token_ids: list[int], extra_keys: bytes,
+                       num_local_blocks: int) -> list:
+        """Bodies of the full blocks after the first ``num_local_blocks`` (the local hits)
+        found in the shared KV store, stopping at the first miss and one token short of
+        the end (as :meth:`get_computed_blocks`). Empty without a store."""
+        if self.kv_store is None:
+            return []
+        pre = self._store_prefetch
+        if pre is not None and pre[0] == request_id and pre[1] == num_local_blocks:
+            return pre[2]
+        hashes = self._hashes(request_id, token_ids, extra_keys)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        bodies = self.kv_store.lookup(hashes[num_local_blocks:max_blocks]) \
+            if num_local_blocks < max_blocks else []
+        self._store_prefetch = (request_id, num_local_blocks, bodies) if bodies else None
+        return bodies
+
+    def commit_store_hits(self, request_id: str, first: int, num: int) -> list[int]:
+        """After :meth:`allocate_slots`: the block ids ``[first, first + num)`` of the
+        request, to be filled from the store (they count as computed)."""
+        if self._store_prefetch is not None and self._store_prefetch[0] == request_id:
+            self._store_prefetch = None
+        if not num:
+            return []
+        self.store_loaded[request_id] = (first, first + num)
+        return [b.block_id for b in self.req_to_blocks[request_id][first:first + num]]
+
+    def pop_newly_cached(self) -> list[tuple[bytes, int]]:
+        """``(block hash, block id)`` of blocks computed here and cached since the last
+        call (only with a store): what to write to the store now, before reuse."""
+        out, self.newly_cached = self.newly_cached, []
+        return out
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (tokens)."""
         if self.enable_caching:
@@ -109,8 +153,13 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._hashes(request_id, token_ids[:num_full * self.block_size], extra_keys)
+        loaded = self.store_loaded.get(request_id, (0, 0))
         for i in range(start, num_full):
+            fresh = blocks[i].block_hash is None
             self.block_pool.cache_full_block(blocks[i], hashes[i])
+            if self.kv_store is not None and fresh and blocks[i].block_hash is not None \
+                    and not loaded[0] <= i < loaded[1]:
+                self.newly_cached.append((hashes[i], blocks[i].block_id))
         self.num_cached_blocks[request_id] = num_full
 
     # ------------------------------------------------------------ allocation
@@ -181,6 +230,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self.req_to_hashes.pop(request_id, None)
+        self.store_loaded.pop(request_id, None)
+        if self._store_prefetch is not None and self._store_prefetch[0] == request_id:
+            self._store_prefetch = None
         if blocks:
             self.block_pool.free_blocks(list(reversed(blocks)))
 

@@ -44,7 +44,9 @@ class SchedulerOutput:
     runner drops their state).
     ``kv_cache_ops``: block moves the runner performs, in order, before the
     forward pass: ``("copy", src, dst)`` (copy-on-write, device to device),
-    ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``.
+    ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``,
+    ``("load", body, device_block)`` (fill a block from the shared KV store's bytes,
+    ``worker/kv_transfer.py``).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -53,7 +55,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    kv_cache_ops: list[tuple[str, int, int]] = field(default_factory=list)
+    kv_cache_ops: list[tuple[str, Any, int]] = field(default_factory=list)
     # speculative decoding: the drafts scheduled after a decode's last token; they are
     # the last len(drafts) of its num_scheduled_tokens (vLLM's name)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -61,6 +61,7 @@ class SchedulerStats:
     num_scheduled_tokens_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    kv_store_hits_total: int = 0  # prompt tokens loaded from the shared KV store
 
 
 class Scheduler:
@@ -316,12 +317,16 @@ class Scheduler:
             return ops, num_new
         computed_blocks = []
         num_hit = 0
+        store_bodies: list = []  # the shared KV store's hits after the local ones
         # prompt logprobs need every prompt position's logits: no prefix-cache read
         if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
             computed_blocks = kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                      req.extra_keys)
             num_hit = len(computed_blocks) * self.block_size
-        num_computed = req.num_computed_tokens or num_hit
+            store_bodies = kv.get_store_hits(req.request_id, req.all_token_ids,
+                                             req.extra_keys, len(computed_blocks))
+        num_store = len(store_bodies) * self.block_size
+        num_computed = req.num_computed_tokens or num_hit + num_store
         num_new = req.num_tokens - num_computed
         if num_new > budget:
             if not chunked:
@@ -332,14 +337,20 @@ class Scheduler:
                                    computed_blocks)
         if copies is None:
             return None, 0
+        ops: list = []
         if req.num_computed_tokens == 0:
             kv.record_prefix_query(req.num_tokens, num_hit)
             self.stats.prefix_cache_queries_total = kv.stats.queries
             self.stats.prefix_cache_hits_total = kv.stats.hits
-            req.num_computed_tokens = num_hit
+            # blocks found in the shared KV store: filled from bytes, counted as computed
+            load_ids = kv.commit_store_hits(req.request_id, len(computed_blocks),
+                                            len(store_bodies))
+            ops = [("load", body, d) for body, d in zip(store_bodies, load_ids)]
+            self.stats.kv_store_hits_total += num_store
+            req.num_computed_tokens = num_hit + num_store
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-        return [("copy", s, d) for s, d in copies], num_new
+                req.num_cached_tokens = num_hit + num_store
+        return ops + [("copy", s, d) for s, d in copies], num_new
 
     def _preempt_lower_priority(self, req: Request, scheduled: dict[str, int],
                                 admitted: set[str], out: SchedulerOutput) -> bool:

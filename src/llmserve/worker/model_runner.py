@@ -29,6 +29,7 @@ from llmserve.layers.sampler import Sampler, build_sampling_metadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.structured_output import allocate_bitmask
+from llmserve.worker.kv_transfer import fill_blocks
 from llmserve.worker.prompt_logprobs import collect_prompt_logprobs, wants_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,10 @@ class ModelRunner:
                 i += 1
             self._move_blocks(kind, srcs, dsts)
 
-    def _move_blocks(self, kind: str, srcs: list[int], dsts: list[int]) -> None:
+    def _move_blocks(self, kind: str, srcs: list, dsts: list[int]) -> None:
+        if kind == "load":  # the shared KV store: srcs are block bodies (bytes)
+            fill_blocks(self.kv_caches, srcs, dsts)
+            return
         host = torch.device("cpu")
         src_dev = host if kind == "swap_in" else self.device
         dst_dev = host if kind == "swap_out" else self.device
