@@ -511,5 +511,19 @@ def test_audit_record_per_request_and_streamed_output_cut(hooked):
     assert recs[1]["response_text"] == [choice["message"]["content"]]
     assert recs[2]["response_text"] == ["".join(pieces)]
     assert recs[1]["safety"][0] == {"check": "word", "flagged": False}
+
+    # refused before any upstream: a body that is not JSON, a bad field, a wrong key
+    chat_url = url + "/v1/chat/completions"
+    assert httpx.post(chat_url, headers=ADMIN, content=b"{oops").status_code == 400
+    assert httpx.post(chat_url, headers=ADMIN, json={**base, "messages": HI,
+                                                     "n": "2"}).status_code == 400
+    assert httpx.post(chat_url, headers=bearer("sk-wrong"),
+                      json={**base, "messages": HI}).status_code == 401
+    recs = poll(lambda: audit.records if len(audit.records) >= 7 else None, timeout=30)
+    assert recs is not None and len(recs) == 7
+    assert [(x["status"], x["outcome"], x["model"]) for x in recs[4:]] == [
+        (400, "rejected", None), (400, "rejected", MODEL_A), (401, "unauthenticated", None)]
+    assert recs[5]["request"]["n"] == "2" and recs[6]["key_id"] is None
+    assert "sk-wrong" not in json.dumps(recs[6])
     assert any(v.get("check") == "cut" for v in recs[2]["safety"])
     assert recs[1]["completion_tokens"] == 8 and recs[1]["prompt_tokens"] > 0

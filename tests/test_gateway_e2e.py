@@ -16,6 +16,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -216,3 +217,34 @@ def test_output_policy_cuts_stream_before_the_blocked_word(model, safety_gw, blo
     r = httpx.post(safety_gw.url + "/v1/completions", headers=bearer(other), timeout=120,
                    json={**body, "stream": False})
     assert r.json()["choices"][0]["text"] == greedy_text
+
+
+def test_team_safety_policy_set_at_run_time(model, safety_gw):
+    """A policy PUT on a team through the admin API applies to its next requests (on
+    top of the file's ``safety`` section, which does not name this team)."""
+    _, secret = make_key(safety_gw, name="rt", team="runtime", role="member")
+    body = {"model": model, "prompt": f"Mail {EMAIL} now.", "max_tokens": 1}
+
+    def status() -> int:
+        return httpx.post(safety_gw.url + "/v1/completions", headers=bearer(secret),
+                          json=body, timeout=120).status_code
+
+    assert status() == 200
+    bad = httpx.put(safety_gw.url + "/admin/teams/runtime", headers=ADMIN, timeout=30,
+                    json={"safety": {"input": [{"check": "no-such-check"}]}})
+    assert bad.status_code == 400 and "safety" in bad.json()["error"]["message"]
+    r = httpx.put(safety_gw.url + "/admin/teams/runtime", headers=ADMIN, timeout=30,
+                  json={"safety": {"input": [{"check": "pii", "action": "block"}]}})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10  # the key cache holds team records < 1 s
+    while status() != 400 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    r = httpx.post(safety_gw.url + "/v1/completions", headers=bearer(secret), json=body,
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter"
+    r = httpx.put(safety_gw.url + "/admin/teams/runtime", headers=ADMIN, timeout=30, json={})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while status() != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status() == 200

@@ -76,13 +76,16 @@ class Proc:
 
 
 CLI = [sys.executable, "-m", "llmserve.entrypoints.cli"]
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def workers():
+    # worker 0 also answers as "small", worker 1 as "large" (the tiered-routing test)
     procs = [Proc(CLI + ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory",
-                         "256MiB", "--disable-uvicorn-access-log"],
-                  r"listening on (http://127\.0\.0\.1:\d+)") for _ in range(2)]
+                         "256MiB", "--disable-uvicorn-access-log", "--served-model-name",
+                         DEFAULT_MODEL, tier],
+                  r"listening on (http://127\.0\.0\.1:\d+)") for tier in ("small", "large")]
     try:
         deadline = time.monotonic() + START_TIMEOUT
         for p in procs:
@@ -232,6 +235,140 @@ def test_workers_join_and_drain(workers):
         assert text.rstrip().endswith("data: [DONE]")  # the drained stream finished
         assert list(worker_urls(router)) == ["w0"]  # removed once idle
         assert httpx.delete(router.url + "/workers/nope", timeout=10).status_code == 404
+    finally:
+        router.stop()
+
+
+def test_worker_digest_tells_the_router_what_it_holds(workers):
+    """A prefix computed on worker 1 without the router (so the router assumed
+    nothing) is routed there as a cache hit once worker 1's ``/kv_cache/digest`` says
+    it holds those blocks; the digest's hashes are the router's own for the prompt."""
+    import base64
+
+    from llmserve.router.prefix import prompt_block_hashes
+
+    router = start_router([w.url for w in workers])
+    try:
+        b = workers[1].url
+        wid = next(i for i, u in worker_urls(router).items() if u == b)
+        prefix = PREFIX.replace("shipping", "railway")  # not cached anywhere yet
+        r = httpx.post(b + "/v1/completions", timeout=CLIENT_TIMEOUT,
+                       json={"prompt": prefix + "Question: a 9 kg parcel?", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        ids = httpx.post(b + "/tokenize", json={"prompt": prefix}, timeout=30).json()["tokens"]
+        d = httpx.get(b + "/kv_cache/digest", timeout=10).json()
+        raw = base64.b64decode(d["hashes"])
+        held = {raw[i:i + 32] for i in range(0, len(raw), 32)}
+        mine = prompt_block_hashes(ids, d["block_size"])
+        assert len(mine) >= 16 and set(mine[:-1]) <= held  # (the prefix's last block
+        # may be tokenized differently when the question follows it)
+        assert httpx.get(b + "/kv_cache/digest", params={"if_version": d["version"]},
+                         timeout=10).status_code == 304
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the router polls digests with health checks
+            w = next(w for w in httpx.get(router.url + "/workers", timeout=10).json()
+                     ["workers"] if w["id"] == wid)
+            if (w["kv_digest_version"] or -1) >= d["version"]:
+                break
+            time.sleep(0.2)
+        hits0 = counter(b, "llmserve:prefix_cache_hits_total")
+        r = complete(router, prefix + "Question: what about 12 kg?")
+        assert (r.headers["x-llmserve-worker"], r.headers["x-llmserve-route-reason"]) == (
+            wid, "cache_hit")
+        assert counter(b, "llmserve:prefix_cache_hits_total") - hits0 >= 16 * 15
+    finally:
+        router.stop()
+
+
+def test_worker_registers_itself_and_leaves_on_sigterm(workers):
+    router = start_router([workers[0].url], "--policy", "round_robin")
+    extra = Proc(CLI + ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory",
+                        "64MiB", "--disable-uvicorn-access-log", "--register-with",
+                        router.url], r"listening on (http://127\.0\.0\.1:\d+)")
+    try:
+        extra.wait_ready(time.monotonic() + START_TIMEOUT)
+        deadline = time.monotonic() + 60
+        while extra.url not in worker_urls(router).values() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wid = next(i for i, u in worker_urls(router).items() if u == extra.url)
+        seen = {complete(router, f"Hi {i}", 1).headers["x-llmserve-worker"] for i in range(4)}
+        assert wid in seen  # round robin over both
+        extra.stop()  # SIGTERM: it leaves the router (drained, then removed) first
+        assert extra.proc.returncode == 0
+        assert "left router" in extra.log() and wid not in worker_urls(router)
+        seen = {complete(router, f"Hi {i}", 1).headers["x-llmserve-worker"] for i in range(3)}
+        assert seen == {"w0"}
+    finally:
+        extra.stop()
+        router.stop()
+
+
+TIERS = {"workers": [], "tiers": {
+    "auto": {"levels": [{"model": "small", "max_score": 0.35}, {"model": "large"}]},
+    "auto-esc": {"escalate_on": ["length"],
+                 "levels": [{"model": "small", "max_score": 0.35}, {"model": "large"}]}}}
+CODING_TASK = ("Implement a Python class LRUCache with get and put in O(1), then write unit "
+               "tests for it. Explain step by step the design and compare the trade-offs "
+               "of an OrderedDict against a dict plus a doubly linked list:\n```python\n"
+               "class LRUCache:\n    def __init__(self, capacity: int):\n        pass\n"
+               "```\n") * 3
+
+
+def test_tiered_routing_small_and_large_model(workers, tmp_path):
+    """``model: auto`` resolves to the small or the large tier by complexity; the tier's
+    own worker answers (checked by the workers' own request counters); escalation on
+    ``length`` moves a non-streamed request up, never a streamed one."""
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(json.dumps(TIERS))  # JSON is YAML
+    router = start_router([w.url for w in workers], "--config", str(cfg))
+    try:
+        ids = worker_urls(router)
+        by_model = {"small": "w0", "large": "w1"}
+        assert [w["models"] for w in httpx.get(router.url + "/workers", timeout=10)
+                .json()["workers"]] == [[DEFAULT_MODEL, "small"], [DEFAULT_MODEL, "large"]]
+        listed = {m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10)
+                  .json()["data"]}
+        assert listed == {DEFAULT_MODEL, "small", "large", "auto", "auto-esc"}
+
+        def ask(model: str, messages: list[dict], **extra) -> httpx.Response:
+            r = httpx.post(router.url + "/v1/chat/completions", timeout=CLIENT_TIMEOUT, json={
+                "model": model, "messages": messages, "max_tokens": 2, "temperature": 0,
+                **extra})
+            assert r.status_code == 200, r.text
+            return r
+
+        done0 = {w: counter(u, "llmserve:request_success_total") for w, u in ids.items()}
+        short = [{"role": "user", "content": "What is the capital of France?"}]
+        r = ask("auto", short)
+        assert r.headers["x-llmserve-tier"] == "small" and r.json()["model"] == "small"
+        assert r.headers["x-llmserve-worker"] == by_model["small"]
+        assert float(r.headers["x-llmserve-complexity"]) <= 0.35
+        assert "x-llmserve-escalated-from" not in r.headers  # auto has no escalate_on
+        r = ask("auto", [{"role": "user", "content": CODING_TASK}])
+        assert r.headers["x-llmserve-tier"] == "large"
+        assert r.headers["x-llmserve-worker"] == by_model["large"]
+        done1 = {w: counter(u, "llmserve:request_success_total") for w, u in ids.items()}
+        assert {w: done1[w] - done0[w] for w in ids} == {"w0": 1, "w1": 1}
+
+        r = ask("auto-esc", short)  # 2 tokens: stops on length, so the large tier retries
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert (r.headers["x-llmserve-tier"], r.headers["x-llmserve-escalated-from"]) == (
+            "large", "small")
+        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=CLIENT_TIMEOUT,
+                          json={"model": "auto-esc", "messages": short, "max_tokens": 2,
+                                "stream": True}) as s:
+            assert s.status_code == 200 and s.headers["x-llmserve-tier"] == "small"
+            assert s.read().decode().rstrip().endswith("data: [DONE]")
+        done2 = {w: counter(u, "llmserve:request_success_total") for w, u in ids.items()}
+        assert {w: done2[w] - done1[w] for w in ids} == {"w0": 2, "w1": 1}
+
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=CLIENT_TIMEOUT,
+                       json={"model": "no-such-model", "messages": short})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        assert 'llmserve_router:tier_escalations_total{alias="auto-esc",from_model="small",' \
+               'to_model="large"} 1.0' in text
+        assert 'llmserve_router:tier_requests_total{alias="auto",model="large"} 1.0' in text
     finally:
         router.stop()
 

@@ -81,6 +81,45 @@ def test_cache_aware_prefers_worker_that_holds_prefix():
     assert (d.worker.id, d.reason) == ("w1", "miss")
 
 
+def test_cache_aware_digest_replaces_what_it_assumed():
+    """A worker's published digest is the truth as of when it was asked for: prompts
+    routed before then and not in it are forgotten (evicted), later ones still
+    assumed, and a prefix never routed there but published is a hit."""
+    p = create_policy("cache_aware", cache_threshold=0.5)
+    clock = [100.0]
+    p.clock = lambda: clock[0]
+    ws = workers(0, 0)
+    a, b = rr(list(range(64))), rr(list(range(1000, 1064)))
+    p.on_routed(a, ws[0])
+    assert p.select(a, ws).reason == "cache_hit"
+    clock[0] = 101.0
+    p.on_routed(b, ws[0])  # routed after the digest below was asked for
+    p.on_digest("w0", [], asked_at=100.5)  # w0 evicted a, b not yet seen
+    assert p.matched_blocks("w0", a.block_hashes) == 0
+    assert p.matched_blocks("w0", b.block_hashes) == 4
+    p.on_digest("w1", a.block_hashes[:3], asked_at=102.0)  # computed there by others
+    d = p.select(a, ws)
+    assert (d.worker.id, d.reason, d.matched_tokens) == ("w1", "cache_hit", 3 * BS)
+    p.on_remove("w1")
+    assert p.matched_blocks("w1", a.block_hashes) == 0
+
+
+def test_block_pool_cache_version_follows_the_cached_set():
+    m = KVCacheManager(num_blocks=3, block_size=BS, enable_caching=True)
+    v0, hashes = m.prefix_cache_digest()
+    assert hashes == []
+    ids = list(range(2 * BS))
+    assert m.get_computed_blocks("r", ids, b"") == []
+    assert m.allocate_slots("r", 0, len(ids)) is not None
+    m.cache_blocks("r", ids, len(ids))
+    v1, hashes = m.prefix_cache_digest()
+    assert v1 > v0 and hashes == prompt_block_hashes(ids, BS)
+    m.free("r")
+    assert m.prefix_cache_digest() == (v1, hashes)  # freed blocks stay cached
+    assert m.reset_prefix_cache() and m.prefix_cache_digest()[0] > v1
+    assert m.prefix_cache_digest()[1] == []
+
+
 def test_cache_aware_balances_past_both_thresholds():
     p = create_policy("cache_aware")  # abs 32, rel 1.1
     prefix = rr(list(range(320)))

@@ -118,6 +118,12 @@ def build() -> dict:
             [("llmserve_router:worker_healthy", "{{worker}}")])
     b.panel("Worker In-Flight", "Router requests outstanding per worker.",
             [("llmserve_router:worker_in_flight", "{{worker}}")])
+    b.panel("Tiered Routing", "Requests per alias by the tier that answered; escalations.",
+            [(f"sum by(alias, model) (rate(llmserve_router:tier_requests_total[{RI}]))",
+              "{{alias}} -> {{model}}"),
+             (f"sum by(alias, from_model, to_model) "
+              f"(rate(llmserve_router:tier_escalations_total[{RI}]))",
+              "escalated {{from_model}} -> {{to_model}}")])
     b.row("Gateway")
     b.panel("Gateway Requests", "Finished requests by HTTP status code.",
             [(f"sum by(code) (rate(llmserve_gateway:requests_total[{RI}]))", "{{code}}")])

@@ -1,7 +1,7 @@
 """llmserve: an LLM inference engine with a paged KV cache and continuous batching."""
 
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -15,4 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

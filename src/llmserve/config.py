@@ -414,6 +414,7 @@ class EngineConfig:
     # batch-invariant mode (--deterministic): every token computed as a one-token decode
     # through one kernel path, so batching, chunking and prefix-cache hits change no bits
     deterministic: bool = False
+    speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

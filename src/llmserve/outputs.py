@@ -17,6 +17,9 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob (the sampled token and the top-n).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt position (vLLM): None for the first token, then token id -> Logprob
+# (the prompt token and the top-n).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -84,6 +87,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     itl: list[float] = field(default_factory=list)  # every gap between tokens, s (final output only)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None); None
+    # when not asked for (or not computable, as for forked n > 1 siblings). DELTA outputs
+    # carry it once, in the first output.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __repr__(self) -> str:
         texts = [o.text[:40] for o in self.outputs]

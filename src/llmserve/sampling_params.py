@@ -96,6 +96,61 @@ def _normalize_stop_token_ids(value: Any) -> list[int]:
     return out
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``); set one of:
+
+    Attributes:
+        json: a JSON schema (dict or JSON text): the output is one JSON value valid
+            against it (OpenAI ``response_format`` ``json_schema``, vLLM ``guided_json``).
+        json_object: any JSON object (OpenAI ``response_format`` ``json_object``).
+        regex: the output matches this regular expression in full (``guided_regex``).
+        choice: the output is exactly one of these strings (``guided_choice``).
+        grammar: an EBNF (GBNF, xgrammar's dialect: ``root ::= ...``) or a Lark grammar
+            (``start: ...``) (``guided_grammar``).
+
+    Compiled by :mod:`llmserve.structured_output` (cached per spec); ``compiled`` is
+    attached there and shared, never copied, by :meth:`SamplingParams.clone`.
+
+    Raises:
+        ValueError: when none or several are set, or one has the wrong type.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (object or text)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of "
+                             "non-empty strings")
+        self.compiled: Any = None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def __deepcopy__(self, memo: dict) -> StructuredOutputsParams:
+        return self  # immutable once built; the compiled grammar is shared
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request (vLLM / OpenAI semantics).
@@ -133,6 +188,15 @@ class SamplingParams:
         logprobs: number of most likely tokens whose log-probabilities are
             returned per generated token, besides the sampled token
             (0..MAX_LOGPROBS); None returns none.
+        prompt_logprobs: number of most likely tokens whose log-probabilities are
+            returned per prompt position, besides the prompt token itself
+            (0..MAX_LOGPROBS); None returns none. Computed in the prefill's own
+            forward pass; such a request does not read the prefix cache (its
+            cached part would have no logits), as vLLM v1.
+        structured_outputs: a :class:`StructuredOutputsParams` the output must follow
+            (a token mask applied in the sampler), or None.
+        logit_bias: token id -> bias added to its logit before sampling
+            (OpenAI: [-100, 100]; -100 bans, 100 forces in practice), or None.
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: put spaces between special tokens
             when detokenizing.
@@ -158,6 +222,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -165,6 +232,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        self._check_extras()
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         if self.top_k == -1:
@@ -176,7 +244,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             setattr(self, name, _check_int(name, getattr(self, name), allow_none=True))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -184,6 +252,25 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+
+    def _check_extras(self) -> None:
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id -> bias")
+        bias = {}
+        for k, v in self.logit_bias.items():
+            tid = _check_int("logit_bias key", k)
+            if tid < 0:
+                raise ValueError(f"logit_bias: {tid} is not a token id")
+            v = _check_float("logit_bias value", v)
+            if not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
+            bias[tid] = v
+        self.logit_bias = bias or None
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -213,6 +300,9 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs}")
 
     @property
     def sampling_type(self) -> SamplingType:

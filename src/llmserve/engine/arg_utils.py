@@ -15,6 +15,7 @@ from llmserve.config import (
     SchedulerConfig,
 )
 from llmserve.layers.quantization import QUANTIZATION_METHODS
+from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.utils import parse_size
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class EngineArgs:
     swap_space: float = 4.0
     num_cpu_blocks_override: int | None = None
     deterministic: bool = False
+    # a SpeculativeConfig, its dict, or its JSON (--speculative-config); None = off
+    speculative_config: object = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -164,6 +167,11 @@ class EngineArgs:
                        help="batch-invariant mode: greedy outputs and logprobs do not depend on "
                             "batching, prefill chunking or prefix-cache hits (every token runs "
                             "through one kernel path; slower prefill, see docs/benchmarks.md)")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+                            '"model": PATH, "num_speculative_tokens": 4}\' (vLLM names; plus '
+                            '"draft_length_policy": "fixed"|"adaptive")')
         return parser
 
     @classmethod
@@ -216,4 +224,5 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 preemption_mode=self.preemption_mode),
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
-            extra={"quantization": self.quantization}, deterministic=bool(self.deterministic))
+            extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config))

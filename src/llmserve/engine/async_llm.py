@@ -379,7 +379,9 @@ class AsyncLLM:
             num_preemptions_total=st.num_preemptions_total, num_steps_total=st.num_steps_total,
             max_batch_size_seen=st.max_batch_size_seen,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
-            prefix_cache_hits_total=st.prefix_cache_hits_total)
+            prefix_cache_hits_total=st.prefix_cache_hits_total,
+            spec_decoding=(self.engine.spec_decoding_stats.as_dict()
+                           if self.engine.spec_decoding_stats is not None else None))
         if not self.stat_loggers:
             return
         it = IterationStats(self._stats, outputs,

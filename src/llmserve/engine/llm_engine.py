@@ -28,6 +28,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Request, RequestStatus, Scheduler
+from llmserve.structured_output import GrammarCompilerCache
 from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
@@ -43,7 +44,8 @@ class LLMEngine:
     Build it with :meth:`from_engine_args`.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer, model: torch.nn.Module) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, model: torch.nn.Module,
+                 draft_model: torch.nn.Module | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         mc = config.model_config
@@ -53,6 +55,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         cc = config.cache_config
         self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.dtype)
+        if draft_model is not None:  # the draft's KV cache shares the target's block tables
+            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
@@ -78,11 +82,26 @@ class LLMEngine:
                         format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
         self.num_host_blocks = num_host_blocks
         self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
+        self.spec_decoding_stats = None
+        if config.speculative_config is not None:
+            from llmserve.spec_decode.builder import build_spec_decoder
+            from llmserve.spec_decode.metrics import SpecDecodingStats
+
+            self.runner.spec_decoder = build_spec_decoder(config, self.runner, draft_model)
+            self.spec_decoding_stats = SpecDecodingStats(
+                num_spec_tokens=config.speculative_config.num_speculative_tokens)
+        self._spec_logged_at = time.monotonic()
         self.scheduler = Scheduler(
             config.scheduler_config,
             KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching),
-            num_host_blocks)
+            num_host_blocks, num_lookahead_tokens=(
+                self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
+                else 0))
         self.output_processor = OutputProcessor(tokenizer)
+        # structured outputs: grammars compiled once per spec (the server compiles them
+        # in a worker thread before adding the request, so a step never waits on one)
+        self.structured_output = GrammarCompilerCache(tokenizer, mc.vocab_size,
+                                                      list(self.eos_token_ids))
         self._counter = itertools.count()
         self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
         self._stalled_steps = 0
@@ -121,7 +140,13 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name,
                     model_config.architecture, config.dtype, quant.name if quant else "dense",
                     time.perf_counter() - t0)
-        return cls(config, tokenizer, model)
+        draft_model = None
+        if config.speculative_config is not None and \
+                config.speculative_config.method == "draft_model":
+            from llmserve.spec_decode.draft_model import load_draft_model
+
+            draft_model = load_draft_model(config, tokenizer)
+        return cls(config, tokenizer, model, draft_model)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -186,6 +211,16 @@ class LLMEngine:
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]  # vLLM accepts the salt in the prompt dict
         vocab = self.config.model_config.vocab_size
+        if self.config.speculative_config is not None:  # the verifier runs neither yet
+            if params.structured_outputs is not None:
+                raise ValueError("structured outputs (response_format / guided_*) are not "
+                                 "supported with speculative decoding yet; serve without "
+                                 "--speculative-config")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not supported with speculative "
+                                 "decoding yet; serve without --speculative-config")
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # cached; ValueError
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is not a token id in [0, {vocab})")
@@ -246,6 +281,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def prefix_cache_digest(self) -> tuple[int, int, list[bytes]]:
+        """``(block_size, version, block hashes)`` of every block in the prefix cache
+        (callable from another thread; see ``BlockPool.cached_block_hashes``)."""
+        version, hashes = self.scheduler.kv_cache_manager.prefix_cache_digest()
+        return self.config.cache_config.block_size, version, hashes
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
@@ -293,6 +334,14 @@ class LLMEngine:
             logger.exception("model step failed; aborting the %d requests in it",
                              len(sched_out.num_scheduled_tokens))
             return self.abort_request(list(sched_out.num_scheduled_tokens))
+        if self.spec_decoding_stats is not None:
+            for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
+                emitted = runner_out.spec_output_token_ids.get(req_id)
+                if drafts and emitted:
+                    self.spec_decoding_stats.observe(len(drafts), len(emitted) - 1)
+            if time.monotonic() - self._spec_logged_at >= 10.0 and sched_out.scheduled_spec_decode_tokens:
+                self._spec_logged_at = time.monotonic()
+                logger.info("%s", self.spec_decoding_stats.log_line())
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs, first_sched)
         if stopped:

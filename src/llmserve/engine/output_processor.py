@@ -30,6 +30,7 @@ class ParentRequest:
     n: int
     child_ids: list[str]
     done: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # from the sibling that computed the prompt
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RequestState:
     num_cached_tokens: int = 0
     parent: ParentRequest | None = None
     index: int = 0
+    prompt_logprobs: list | None = None  # PromptLogprobs once computed
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -107,13 +110,15 @@ class OutputProcessor:
                 st.itl.append(now - m.last_token_time)
             m.last_token_time = now
             st.num_cached_tokens = co.num_cached_tokens
-            st.token_ids.extend(co.new_token_ids)
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            new_ids, stop_str, cut = self._detokenize(st, co)
+            if cut:  # a stop string inside a speculative run: it ends there
+                finish_reason = None
+            st.token_ids.extend(new_ids)
             if co.new_logprobs is not None and st.logprobs is not None:
                 self._add_logprobs(st, co.new_logprobs)
-            finish_reason, stop_reason = co.finish_reason, co.stop_reason
-            # an EOS / stop token id ends the text without showing (vLLM semantics)
-            stop_str = st.detokenizer.update(co.new_token_ids,
-                                             stop_terminated=co.finish_reason == "stop")
+            if co.extra.get("prompt_logprobs") is not None:
+                st.prompt_logprobs = self._prompt_logprobs(co.extra["prompt_logprobs"])
             if stop_str is not None and finish_reason != "stop":
                 if finish_reason is None:
                     stopped_by_string.append(co.req_id)
@@ -126,6 +131,25 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.states[co.req_id]
         return results, stopped_by_string
+
+    @staticmethod
+    def _detokenize(st: RequestState, co: EngineCoreOutput) -> tuple[list[int], str | None, bool]:
+        """Feed the new tokens to the detokenizer. Returns (tokens kept, stop string, whether
+        a stop string cut a multi-token (speculative) run before its last token).
+
+        An EOS / stop token id ends the text without showing (vLLM semantics). Several
+        tokens are checked one by one so a stop string ends the output where plain
+        decoding would have."""
+        ids = co.new_token_ids
+        eos_end = co.finish_reason == "stop"
+        if len(ids) == 1 or not st.detokenizer.stop:
+            return ids, st.detokenizer.update(ids, stop_terminated=eos_end), False
+        for j, t in enumerate(ids):
+            last = j == len(ids) - 1
+            stop_str = st.detokenizer.update([t], stop_terminated=last and eos_end)
+            if stop_str is not None:
+                return ids[:j + 1], stop_str, not last
+        return ids, None, False
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> RequestOutput | None:
         """End a request from outside; returns its final output (``finish_reason``:
@@ -143,6 +167,10 @@ class OutputProcessor:
         completion = out.outputs[0]
         completion.index = st.index
         out.request_id = parent.request_id
+        if out.prompt_logprobs is not None:
+            parent.prompt_logprobs = out.prompt_logprobs
+        elif st.output_kind != RequestOutputKind.DELTA:
+            out.prompt_logprobs = parent.prompt_logprobs
         if out.finished:
             parent.done[st.index] = completion
         all_done = len(parent.done) == parent.n
@@ -153,16 +181,23 @@ class OutputProcessor:
         out.finished = all_done
         return out
 
-    def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
-        ids, lps, rank = new
+    def _entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in entry:
                 continue
             entry[tid] = Logprob(lp, rank if j == 0 else j,
                                  self.tokenizer.decode([tid], skip_special_tokens=False))
-        st.logprobs.append(entry)
+        return entry
+
+    def _add_logprobs(self, st: RequestState, new: tuple[list[int], list[float], int]) -> None:
+        ids, lps, rank = new
+        st.logprobs.append(self._entry(ids, lps, rank))
         st.cumulative_logprob += lps[0]
+
+    def _prompt_logprobs(self, raw: list) -> list:
+        """Runner entries of prompt tokens 1..P-1 -> PromptLogprobs (first None)."""
+        return [None] + [self._entry(ids, lps, rank) for ids, lps, rank in raw]
 
     def _make_output(self, st: RequestState, finish_reason: str | None,
                      stop_reason: int | str | None, now: float,
@@ -186,6 +221,11 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, cumulative_logprob=st.cumulative_logprob,
             logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        prompt_logprobs = st.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if st.sent_prompt_logprobs else prompt_logprobs
+            st.sent_prompt_logprobs = st.sent_prompt_logprobs or prompt_logprobs is not None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
                              finished, st.metrics, num_cached_tokens=st.num_cached_tokens,
-                             itl=list(st.itl) if finished else [])  # once, not O(n^2)
+                             itl=list(st.itl) if finished else [],  # once, not O(n^2)
+                             prompt_logprobs=prompt_logprobs)

@@ -57,6 +57,8 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> RequestOutput:
     a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     into.finished, into.metrics, into.itl = new.finished, new.metrics, new.itl
     into.num_cached_tokens = max(into.num_cached_tokens, new.num_cached_tokens)
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
     return into
 
 

@@ -43,6 +43,15 @@ def _rate(text: str) -> float:
     return v
 
 
+def _report_spec_decoding(llm, res: dict) -> None:
+    """Acceptance rate and mean acceptance length when speculation is on."""
+    stats = llm.engine.spec_decoding_stats
+    if stats is None:
+        return
+    res["spec_decoding"] = stats.as_dict()
+    print(stats.log_line())
+
+
 # ---------------------------------------------------------------- throughput / latency
 def _run_throughput(args) -> int:
     from llmserve.benchmarks.datasets import load_requests
@@ -64,6 +73,7 @@ def _run_throughput(args) -> int:
           f"{res['output_tokens_per_second']:.2f} output tokens/s "
           f"({res['num_requests']} requests, {res['total_input_tokens']} input + "
           f"{res['total_output_tokens']} output tokens in {res['elapsed_time']:.2f} s)")
+    _report_spec_decoding(llm, res)
     _write_json(args.output_json, res)
     return 0
 
@@ -87,6 +97,7 @@ def _run_latency(args) -> int:
               f"p90 {d['p90']:9.2f}  p99 {d['p99']:9.2f}")
     print(f"{'decode tokens/s:':<22} {res['decode_tokens_per_second']:.1f} "
           f"(batch {args.batch_size} / median step)")
+    _report_spec_decoding(llm, res)
     _write_json(args.output_json, res)
     return 0
 

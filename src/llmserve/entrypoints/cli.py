@@ -1,4 +1,5 @@
-"""The ``llmserve`` command line: ``generate``, ``plan``."""
+"""The ``llmserve`` command line: ``generate``, ``serve``, ``plan``, ``gateway``, ``router``,
+``up``/``down``/``status``/``render``/``autoscale``, ``registry``."""
 
 from __future__ import annotations
 
@@ -101,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     # optional subcommands, each a module with register(subparsers)
     for mod_name in ("llmserve.entrypoints.openai.serve_cmd", "llmserve.entrypoints.plan_cmd",
                      "llmserve.entrypoints.bench_cmd", "llmserve.entrypoints.audit_cmd",
-                     "llmserve.entrypoints.router_cmd",
-                     "llmserve.entrypoints.batch.batch_cmd"):
+                     "llmserve.entrypoints.router_cmd", "llmserve.deploy.cli",
+                     "llmserve.registry.cli", "llmserve.entrypoints.batch.batch_cmd"):
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
@@ -119,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         from llmserve.gateway.cli import main as gateway_main
 
         return gateway_main(argv[1:])
+    from llmserve.deploy.cli import COMMANDS as _DEPLOY_COMMANDS
+
+    if argv[:1] and argv[0] in (*_DEPLOY_COMMANDS, "registry"):  # serving plane, no torch
+        if argv[0] == "registry":
+            from llmserve.registry.cli import main as registry_main
+
+            return registry_main(argv[1:])
+        from llmserve.deploy.cli import main as deploy_main
+
+        return deploy_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
                     "/workers (GET, POST), /workers/{id} (DELETE = drain and remove).")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL, e.g. http://127.0.0.1:8000 (repeatable)")
+    p.add_argument("--config", default=None, metavar="ROUTER_YAML",
+                   help="router.yaml: more workers and tier aliases (llmserve.router.config)")
     p.add_argument("--policy", default="cache_aware",
                    choices=["cache_aware", "prefix_hash", "least_load", "round_robin"],
                    help="routing policy (default cache_aware)")
@@ -64,6 +66,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from llmserve.entrypoints.openai.serve_cmd import bind_socket
     from llmserve.router.app import build_app
+    from llmserve.router.config import RouterFileConfig, load_router_config
     from llmserve.router.policies import create_policy
     from llmserve.router.state import WorkerPool
 
@@ -76,16 +79,17 @@ def run_router(args: argparse.Namespace) -> int:
                            cache_threshold=args.cache_threshold)
     pool = WorkerPool(policy, failure_threshold=args.breaker_failures,
                       cooldown_s=args.breaker_cooldown)
-    for url in args.worker:
+    file_cfg = load_router_config(args.config) if args.config else RouterFileConfig()
+    for url in dict.fromkeys([*file_cfg.workers, *args.worker]):
         pool.add(url)
     app = build_app(pool, block_size=args.block_size, max_retries=args.max_retries,
                     health_interval_s=args.health_interval,
-                    request_timeout_s=args.request_timeout)
+                    request_timeout_s=args.request_timeout, tiers=file_cfg.tiers)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     print(f"llmserve router: listening on {url} ({len(pool.workers)} workers, "
-          f"policy {policy.name})", flush=True)
+          f"policy {policy.name}, tiers {sorted(file_cfg.tiers) or 'none'})", flush=True)
     level = "info" if args.verbose else "warning"
     logging.getLogger("llmserve.router").setLevel(logging.INFO if args.verbose
                                                   else logging.WARNING)

@@ -186,8 +186,22 @@ class GatewayMiddleware:
             try:
                 state["principal"] = await self.gw.authenticate(scope["headers"])
             except GatewayError as e:
+                if scope["path"].startswith("/v1/") and scope.get("method") == "POST":
+                    self._audit_unauthenticated(rid, scope["path"], e)
                 return await e.response()(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
+
+
+    def _audit_unauthenticated(self, rid: str, path: str, e: GatewayError) -> None:
+        """An inference call refused at authentication gets its audit record (no key
+        id, no body: the body of an unauthenticated caller is never read)."""
+        from llmserve.gateway.proxy import audit_rejected
+
+        rec = {"request_id": rid, "time": time.time(), "key_id": None, "team": None,
+               "role": None, "model": None, "endpoint": path, "request": None,
+               "stream": False, "safety": []}
+        audit_rejected(self.gw, rec, {"key": "", "team": "", "model": ""}, e.status,
+                     "unauthenticated", time.monotonic(), error=e.message)
 
 
 def require_role(request: Request, *roles: str) -> Principal:

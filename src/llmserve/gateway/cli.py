@@ -71,17 +71,15 @@ def run(args) -> int:
 def hooks_from_config(config) -> dict:
     """``audit`` / ``safety`` keyword arguments of ``build_app`` from the config: an
     :class:`~.integration.GatewayAudit` on ``config.audit_db`` and a
-    :class:`~.integration.GatewaySafety` on ``config.safety`` (each only when set)."""
-    out = {}
-    if config.audit_db or config.safety:
-        from llmserve.gateway.integration import GatewayAudit, GatewaySafety
+    :class:`~.integration.GatewaySafety` on ``config.safety`` (always: a team's own
+    policy can be set at run time through the admin API)."""
+    from llmserve.gateway.integration import GatewayAudit, GatewaySafety
 
-        if config.audit_db:
-            from llmserve.gateway.audit import AuditLog
+    out = {"safety": GatewaySafety(config.safety)}
+    if config.audit_db:
+        from llmserve.gateway.audit import AuditLog
 
-            out["audit"] = GatewayAudit(AuditLog(config.audit_db), config.audit_redact)
-        if config.safety:
-            out["safety"] = GatewaySafety(config.safety)
+        out["audit"] = GatewayAudit(AuditLog(config.audit_db), config.audit_redact)
     return out
 
 

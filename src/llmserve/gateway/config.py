@@ -10,7 +10,8 @@ YAML layout (every section optional)::
                                      # records cached in the last 5 min); false = 503
     teams:
       research: {models: [m1], rpm: 100, tpm: 50000, max_parallel_requests: 8,
-                 daily_token_quota: 1000000, priority: 0}
+                 daily_token_quota: 1000000, priority: 0,
+                 safety: {input: [{check: pii, action: block}]}}  # overrides `safety`
     keys:
       - {id: k1, name: ci, team: research, role: member,
          key_hash: "sha256$<salt hex>$<digest hex>",   # from `python -m llmserve.gateway.keys new`
@@ -57,17 +58,28 @@ def check_models(where: str, value: Any) -> list[str] | None:
 
 
 def check_team(where: str, raw: Any) -> dict:
-    """A team record (models allowlist, limits, priority) from config or the admin API."""
+    """A team record (models allowlist, limits, priority, safety policy) from config or
+    the admin API. ``safety`` (a policy as in the top-level ``safety`` section) overrides
+    that section for the team; set by ``PUT /admin/teams/{name}`` it reaches every
+    replica with the team record."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: a team must be a mapping")
-    unknown = set(raw) - {"models", "priority", *LIMIT_FIELDS}
+    unknown = set(raw) - {"models", "priority", "safety", *LIMIT_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown team field(s) {sorted(unknown)}")
     out = {f: _opt_int(where, f, raw.get(f)) for f in LIMIT_FIELDS}
     out["models"] = check_models(where, raw.get("models"))
     out["priority"] = _opt_int(where, "priority", raw.get("priority"), minimum=-(2**31))
+    if raw.get("safety") is not None:
+        from llmserve.gateway.safety import SafetyPipeline
+
+        try:
+            SafetyPipeline.from_policy(raw["safety"])
+        except ValueError as e:
+            raise ValueError(f"{where}: safety: {e}") from None
+    out["safety"] = raw.get("safety")
     return out
 
 

@@ -89,7 +89,8 @@ class SafetyPipeline(Protocol):
 @runtime_checkable
 class AuditSink(Protocol):
     """Receives one record per inference request when its response has ended
-    (completed, failed, rejected after authentication, or aborted by the client).
+    (completed, failed, rejected, refused at authentication, or aborted by
+    the client).
     Must not raise; the gateway logs and drops an exception."""
 
     async def record(self, record: dict[str, Any]) -> None: ...

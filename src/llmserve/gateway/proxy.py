@@ -135,14 +135,24 @@ def make_handler(gw, endpoint: str):
 async def _proxy(gw, request: Request, p, endpoint: str, chat: bool) -> Response:
     t0 = time.monotonic()
     rid = request.state.request_id
-    body = await read_body(request, gw.config.max_body_bytes)
-    check_fields(body, chat)
+    rec: dict[str, Any] = {"request_id": rid, "time": time.time(), "key_id": p.key_id,
+                           "team": p.team, "role": p.role, "endpoint": endpoint,
+                           "safety": []}
+    body: Any = None
+    try:  # a body refused here (413, not JSON, bad fields) is audited as rejected too
+        body = await read_body(request, gw.config.max_body_bytes)
+        check_fields(body, chat)
+    except GatewayError as e:
+        model = body.get("model") if isinstance(body, dict) else None
+        rec.update(request=body, model=model if isinstance(model, str) else None,
+                   stream=False)
+        audit_rejected(gw, rec, {"key": p.key_id, "team": p.team or "",
+                               "model": rec["model"] or ""}, e.status, "rejected", t0,
+                     error=e.message)
+        raise
     model = body["model"]
     labels = {"key": p.key_id, "team": p.team or "", "model": model}
-    rec: dict[str, Any] = {"request_id": rid, "time": time.time(), "key_id": p.key_id,
-                           "team": p.team, "role": p.role, "model": model,
-                           "endpoint": endpoint, "request": body,
-                           "stream": bool(body.get("stream")), "safety": []}
+    rec.update(model=model, request=body, stream=bool(body.get("stream")))
     try:
         allowed = p.allowed_models()
         if allowed is not None and model not in allowed:
@@ -190,7 +200,7 @@ async def _proxy(gw, request: Request, p, endpoint: str, chat: bool) -> Response
                                "limits_unavailable") from None
         rec["request"] = body
     except GatewayError as e:
-        _finish_sync(gw, rec, labels, e.status, "rejected", t0, error=e.message)
+        audit_rejected(gw, rec, labels, e.status, "rejected", t0, error=e.message)
         raise
     moderator = gw.safety.output_moderator(ctx) if gw.safety is not None else None
     upstream = None
@@ -319,7 +329,8 @@ async def _settle(gw, res, rec, labels, status, outcome, t0, pt, ct, error=None)
     await _audit(gw, rec, labels, status, outcome, t0, error)
 
 
-def _finish_sync(gw, rec, labels, status, outcome, t0, error=None) -> None:
+def audit_rejected(gw, rec, labels, status, outcome, t0, error=None) -> None:
+    """Count and audit (in a background task) a request answered without an upstream."""
     task = asyncio.get_running_loop().create_task(
         _audit(gw, {**rec, "prompt_tokens": 0, "completion_tokens": 0}, labels, status,
                outcome, t0, error))

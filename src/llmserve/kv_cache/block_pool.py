@@ -132,6 +132,7 @@ class BlockPool:
         # block hash -> the block holding that content (full, computed blocks only)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.cache_version = 0  # bumped whenever the set of cached hashes changes
 
     @property
     def num_usable_blocks(self) -> int:
@@ -163,6 +164,7 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
             self.num_evictions += 1
+            self.cache_version += 1
         block.block_hash = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -183,6 +185,14 @@ class BlockPool:
         if block_hash not in self.cached_block_hash_to_block:
             self.cached_block_hash_to_block[block_hash] = block
             block.block_hash = block_hash
+            self.cache_version += 1
+
+    def cached_block_hashes(self) -> tuple[int, list[bytes]]:
+        """``(cache_version, the hash of every cached block)``. Safe to call from another
+        thread: ``list(dict)`` copies under the GIL; a change racing the copy shows as a
+        new version at the next call."""
+        version = self.cache_version
+        return version, list(self.cached_block_hash_to_block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only when no block is in use). Returns success."""
@@ -191,6 +201,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.cache_version += 1
         return True
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

@@ -184,9 +184,25 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(list(reversed(blocks)))
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the tail blocks of ``request_id`` beyond the first ``ceil(num_tokens /
+        block_size)`` (speculative decoding: the slots of rejected drafts roll back)."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.num_cached_blocks[request_id] = min(self.num_cached_blocks.get(request_id, 0), keep)
+        self.block_pool.free_blocks(list(reversed(tail)))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of ``request_id`` (a fresh list of block ids)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def prefix_cache_digest(self) -> tuple[int, list[bytes]]:
+        """``(version, block hashes)`` of the prefix cache (:meth:`BlockPool.cached_block_hashes`)."""
+        return self.block_pool.cached_block_hashes()

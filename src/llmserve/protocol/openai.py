@@ -81,6 +81,24 @@ class ErrorResponse(ResponseModel):
 # ---------------------------------------------------------------------- requests
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (needs include_usage)
+
+
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema`` (OpenAI structured outputs)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(RequestModel):
@@ -98,8 +116,17 @@ class SamplingFields(RequestModel):
     seed: int | None = _doc(minimum=-(2**63), maximum=2**64 - 1)
     presence_penalty: float | None = _doc(minimum=-2, maximum=2)
     frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
-    logit_bias: dict[str, float] | None = _doc(maxProperties=0)  # only empty or absent
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     user: str | None = None
+    service_tier: str | None = None  # accepted, as OpenAI's; one tier here
+    metadata: dict[str, str] | None = None  # accepted and ignored (OpenAI stores it)
+    response_format: ResponseFormat | None = None
+    # vLLM extras: structured outputs (one of them, or response_format)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF (``root ::= ...``) or Lark (``start: ...``)
+    structured_outputs: dict[str, Any] | None = None  # {"json"|"regex"|"choice"|"grammar"}
     # vLLM extras
     top_k: int | None = _doc(minimum=-1)
     min_p: float | None = _doc(minimum=0, maximum=1)
@@ -113,6 +140,7 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = _doc(minLength=1)  # requests with other salts share no cache
+    prompt_logprobs: int | None = _doc(minimum=0, maximum=20)  # vLLM: top-k per prompt token
 
 
 class CompletionRequest(SamplingFields):
@@ -121,9 +149,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         json_schema_extra=_set_schema(_PROMPT_SCHEMA))
-    max_tokens: int | None = _doc(16, minimum=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt, scored: lm-eval)
+    max_tokens: int | None = _doc(16, minimum=0)
     logprobs: int | None = _doc(minimum=0, maximum=20)  # legacy: top logprobs per token
-    echo: bool = False  # not with logprobs (prompt logprobs are not supported yet)
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs come first
     suffix: str | None = _doc(maxLength=0)  # not supported: 400 when set
     best_of: int | None = None  # only None or == n
 
@@ -194,12 +223,25 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's prompt-logprob value: one token's logprob, 1-based rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM extra ``prompt_logprobs``: per prompt token (the first None) token id -> PromptLogprob
+PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: the stop string or token id
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra (request prompt_logprobs)
 
 
 def _now() -> int:
@@ -251,6 +293,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra (request prompt_logprobs)
 
 
 class DeltaMessage(ResponseModel):
@@ -314,6 +357,17 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(ResponseModel):
+    """vLLM's ``GET /tokenizer_info`` (what lm-eval's remote tokenizer reads)."""
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
 
 
 class VersionResponse(ResponseModel):

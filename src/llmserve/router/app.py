@@ -1,7 +1,9 @@
 """The router's HTTP app: an OpenAI-compatible proxy over the worker pool.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (routed by the
-policy), ``GET /v1/models``, ``POST /tokenize``/``/detokenize`` (forwarded to any
+policy among the workers that serve the body's ``model``; a tier alias is resolved
+first, :mod:`llmserve.router.tiers`), ``GET /v1/models`` (every worker's models and
+the tier aliases), ``POST /tokenize``/``/detokenize`` (forwarded to any
 eligible worker), ``GET /health`` (200 while some worker is eligible),
 ``GET /metrics`` (:mod:`llmserve.router.metrics`), ``GET /dashboard`` (and its
 ``/metrics/json``, ``/dashboard/data``: the workers' engine metrics merged, see
@@ -34,6 +36,7 @@ from llmserve.router.health import HealthChecker
 from llmserve.router.policies import RouteRequest
 from llmserve.router.prefix import prompt_block_hashes
 from llmserve.router.state import WorkerPool
+from llmserve.router.tiers import TierRoute, finish_reasons
 from llmserve.router.worker import Worker
 
 logger = logging.getLogger("llmserve.router")
@@ -48,13 +51,15 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 class Proxy:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, block_size: int = 16,
-                 max_retries: int = 2) -> None:
+                 max_retries: int = 2, tiers: dict[str, TierRoute] | None = None) -> None:
         self.pool = pool
         self.client = client
         self.block_size = block_size
         self.max_retries = max_retries
+        self.tiers = dict(tiers or {})
 
-    async def tokenize(self, path: str, body: dict, headers: dict) -> list[int]:
+    async def tokenize(self, path: str, body: dict, headers: dict,
+                       model: str | None = None) -> list[int]:
         """Prompt token ids via a worker's ``/tokenize`` ([] when that fails)."""
         if path.endswith("/completions") and "messages" not in body:
             prompt = body.get("prompt")
@@ -72,7 +77,7 @@ class Proxy:
                        "add_generation_prompt": body.get("add_generation_prompt", True)}
         if body.get("model") is not None:
             payload["model"] = body["model"]
-        for w in self.pool.eligible()[:2]:
+        for w in self.pool.eligible(model=model)[:2]:
             try:
                 r = await self.client.post(w.url + "/tokenize", json=payload, headers=headers,
                                            timeout=10.0)
@@ -93,23 +98,58 @@ class Proxy:
         headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
         session = raw.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) and session else None
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        if model in self.tiers:
+            return await self.tiered(path, body, headers, session, self.tiers[model])
+        if not self.pool.known_model(model):
+            return error(404, f"the model '{model}' does not exist", "model")
+        return await self.send(path, body, data, headers, session, model)
+
+    async def send(self, path: str, body: dict, data: bytes, headers: dict,
+                   session: str | None, model: str | None) -> Response:
+        """Route ``body`` (serialized as ``data``) to a worker serving ``model``."""
         req = RouteRequest(block_size=self.block_size)
         if self.pool.policy.needs_tokens:
             ids = await self.tokenize(path, body, {k: v for k, v in headers.items()
-                                                   if k.lower() == "authorization"})
+                                                   if k.lower() == "authorization"}, model)
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             req.num_tokens = len(ids)
             req.block_hashes = prompt_block_hashes(ids, self.block_size, salt or None)
         return await self.forward(path, data, headers, req, session,
-                                  stream=bool(body.get("stream")))
+                                  stream=bool(body.get("stream")), model=model)
+
+    async def tiered(self, path: str, body: dict, headers: dict, session: str | None,
+                     tier: TierRoute) -> Response:
+        """A request to a tier alias: the chosen tier's model answers, escalating to the
+        next tier while a non-streamed answer ends with an ``escalate_on`` reason."""
+        level, score = tier.choose(body)
+        first = model = tier.levels[level].model
+        while True:
+            model = tier.levels[level].model
+            body = {**body, "model": model}
+            resp = await self.send(path, body, json.dumps(body).encode(), headers, session,
+                                   model)
+            if (body.get("stream") or level + 1 >= len(tier.levels)
+                    or resp.status_code != 200
+                    or not set(finish_reasons(resp.body)) & set(tier.escalate_on)):
+                break
+            level += 1
+            self.pool.metrics.tier_escalations.labels(tier.alias, model,
+                                                      tier.levels[level].model).inc()
+        self.pool.metrics.tier_requests.labels(tier.alias, model).inc()
+        resp.headers["x-llmserve-tier"] = model
+        resp.headers["x-llmserve-complexity"] = f"{score:.4f}"
+        if model != first:
+            resp.headers["x-llmserve-escalated-from"] = first
+        return resp
 
     async def forward(self, path: str, data: bytes, headers: dict, req: RouteRequest,
-                      session: str | None, stream: bool) -> Response:
+                      session: str | None, stream: bool, model: str | None = None) -> Response:
         tried: set[str] = set()
         last: Response | None = None
         m = self.pool.metrics
         for attempt in range(self.max_retries + 1):
-            decision = self.pool.pick(req, session, exclude=tried)
+            decision = self.pool.pick(req, session, exclude=tried, model=model)
             if decision is None:
                 break
             w = decision.worker
@@ -163,12 +203,17 @@ class Proxy:
 
     async def _relay(self, w: Worker, upstream: httpx.Response, first: bytes, chunks):
         ok = False
+        tail = first[-64:]
         try:
             yield first
             async for chunk in chunks:
                 yield chunk
+                tail = (tail + chunk)[-64:]
             ok = True
         except httpx.HTTPError as e:
+            if tail.rstrip().endswith(b"data: [DONE]"):  # complete; the peer closed badly
+                ok = True  # (llama-cpp-python's server does, after every stream)
+                return
             logger.warning("worker %s failed mid-stream: %s", w.id, e)
             self.pool.metrics.errors.labels("midstream").inc()
             err = {"error": {"message": f"worker {w.id} failed mid-stream", "type":
@@ -218,14 +263,17 @@ async def _safe_read(r: httpx.Response) -> bytes:
 
 
 def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
-              health_interval_s: float = 2.0, request_timeout_s: float = 600.0) -> FastAPI:
-    """The router app over ``pool``; its health loop runs while the app is up."""
+              health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
+              tiers: dict[str, TierRoute] | None = None) -> FastAPI:
+    """The router app over ``pool``; its health loop runs while the app is up.
+    ``tiers``: alias -> :class:`~llmserve.router.tiers.TierRoute`."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
-    proxy = Proxy(pool, client, block_size, max_retries)
+    proxy = Proxy(pool, client, block_size, max_retries, tiers)
     checker = HealthChecker(pool, client, interval_s=health_interval_s,
-                            timeout_s=max(1.0, min(5.0, 2 * health_interval_s)))
+                            timeout_s=max(1.0, min(5.0, 2 * health_interval_s)),
+                            block_size=block_size)
 
     history = MetricsHistory(interval_s=max(1.0, health_interval_s))
 
@@ -259,7 +307,16 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        return await proxy.passthrough("GET", "/v1/models", raw)
+        cards: dict[str, dict] = {}
+        for w in pool.workers.values():
+            cards.update((c["id"], c) for c in w.models or [] if c["id"] not in cards)
+        if not cards:  # no worker's list known (e.g. they need a key for it)
+            return await proxy.passthrough("GET", "/v1/models", raw)
+        for alias, t in proxy.tiers.items():
+            cards[alias] = {"id": alias, "object": "model", "created": 0,
+                            "owned_by": "llmserve-router",
+                            "tiers": [lv.model for lv in t.levels]}
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

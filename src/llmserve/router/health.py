@@ -1,7 +1,10 @@
 """Active health checks and load scrapes.
 
-Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy) and
-``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``). A refused
+Every ``interval_s`` each worker gets ``GET /health`` (200 = healthy; a server
+without that route, 404, is healthy while ``GET /v1/models`` answers 200) and
+``GET /metrics`` (its ``llmserve:`` load gauges, for ``least_load``) and
+``GET /v1/models`` (which models it serves, for routing by ``model``) and, for
+``cache_aware``, ``GET /kv_cache/digest`` (which prefix blocks it holds). A refused
 connection marks a worker unhealthy at once; other failures (timeouts, non-200)
 after ``unhealthy_threshold`` in a row. One success makes it healthy again and
 closes its circuit breaker. A worker without ``llmserve:`` metrics (a third-party
@@ -11,6 +14,7 @@ server) keeps ``load.scraped = False`` and is balanced by router in-flight count
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 
 import httpx
@@ -40,8 +44,10 @@ def parse_load(text: str) -> WorkerLoad:
 
 class HealthChecker:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 2.0,
-                 timeout_s: float = 2.0, unhealthy_threshold: int = 2) -> None:
+                 timeout_s: float = 2.0, unhealthy_threshold: int = 2,
+                 block_size: int = 16) -> None:
         self.pool = pool
+        self.block_size = block_size
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -52,6 +58,9 @@ class HealthChecker:
         try:
             r = await self.client.get(w.url + "/health", timeout=self.timeout_s)
             ok = r.status_code == 200
+            if r.status_code == 404:  # no /health (llama-cpp-python's server): ask /v1/models
+                r = await self.client.get(w.url + "/v1/models", timeout=self.timeout_s)
+                ok = r.status_code == 200
         except httpx.ConnectError:
             self._fails[w.id] = self.unhealthy_threshold
             ok = False
@@ -69,6 +78,8 @@ class HealthChecker:
                     w.load = parse_load(m.text)
             except (httpx.HTTPError, ValueError):
                 pass
+            await self._models(w)
+            await self._digest(w)
             return
         n = self._fails.get(w.id, 0) + (0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold
                                         else 1)
@@ -76,6 +87,42 @@ class HealthChecker:
         if n >= self.unhealthy_threshold and w.healthy:
             logger.warning("worker %s (%s) is unhealthy", w.id, w.url)
             w.healthy = False
+
+    async def _models(self, w: Worker) -> None:
+        """Refresh the worker's ``/v1/models`` cards (kept as they were on failure, so
+        a worker that needs a key for it stays "serves anything")."""
+        try:
+            r = await self.client.get(w.url + "/v1/models", timeout=self.timeout_s)
+            data = r.json().get("data") if r.status_code == 200 else None
+            if isinstance(data, list):
+                w.models = [m for m in data if isinstance(m, dict)
+                            and isinstance(m.get("id"), str)]
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+
+    async def _digest(self, w: Worker) -> None:
+        """Feed a ``cache_aware`` policy the worker's ``/kv_cache/digest`` (what its
+        prefix cache holds); 304 = unchanged; a worker without the route is skipped."""
+        policy = self.pool.policy
+        if not getattr(policy, "wants_digest", False):
+            return
+        asked_at = policy.clock()
+        params = {} if w.digest_version is None else {"if_version": w.digest_version}
+        try:
+            r = await self.client.get(w.url + "/kv_cache/digest", params=params,
+                                      timeout=self.timeout_s)
+            if r.status_code != 200:
+                return
+            d = r.json()
+            raw = base64.b64decode(d["hashes"])
+            if d["block_size"] != self.block_size or len(raw) % 32:
+                logger.warning("worker %s publishes %s-token blocks, the router uses %s: "
+                               "digest ignored", w.id, d["block_size"], self.block_size)
+                return
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return
+        policy.on_digest(w.id, [raw[i:i + 32] for i in range(0, len(raw), 32)], asked_at)
+        w.digest_version = d["version"]
 
     async def run_once(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))

@@ -13,6 +13,10 @@ llmserve_router:request_errors_total        counter requests answered with an er
                                                     router, by ``reason``
 llmserve_router:worker_healthy              gauge   1 healthy / 0 not, ``worker`` label
 llmserve_router:worker_in_flight            gauge   router requests outstanding per worker
+llmserve_router:tier_requests_total         counter tiered requests by ``alias`` and the
+                                                    ``model`` of the tier that answered
+llmserve_router:tier_escalations_total      counter retries on a larger tier, by ``alias``,
+                                                    ``from_model``, ``to_model``
 ========================================== ======= ==========================================
 """
 
@@ -50,6 +54,11 @@ class RouterMetrics:
                              ["worker"], registry=r)
         self.in_flight = Gauge(PREFIX + "worker_in_flight", "router requests outstanding",
                                ["worker"], registry=r)
+        self.tier_requests = Counter(PREFIX + "tier_requests", "tiered requests by the "
+                                     "tier that answered", ["alias", "model"], registry=r)
+        self.tier_escalations = Counter(PREFIX + "tier_escalations", "retries on a larger "
+                                        "tier", ["alias", "from_model", "to_model"],
+                                        registry=r)
 
     def render(self, workers) -> tuple[bytes, str]:
         for w in workers:

@@ -83,13 +83,21 @@ class WorkerPool:
             for key in [k for k, v in self.sessions.items() if v == w.id]:
                 del self.sessions[key]
 
-    def eligible(self, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers.values() if w.id not in exclude and w.eligible()]
+    def eligible(self, exclude: set[str] = frozenset(),
+                 model: str | None = None) -> list[Worker]:
+        return [w for w in self.workers.values() if w.id not in exclude and w.eligible()
+                and w.serves(model)]
+
+    def known_model(self, model: str | None) -> bool:
+        """False only when every worker's model list is known and none has ``model``."""
+        return model is None or any(w.serves(model) for w in self.workers.values()) \
+            or not self.workers
 
     def pick(self, request: RouteRequest, session: str | None = None,
-             exclude: set[str] = frozenset()) -> Decision | None:
-        """The worker for ``request`` (None when no worker is eligible)."""
-        workers = self.eligible(exclude)
+             exclude: set[str] = frozenset(), model: str | None = None) -> Decision | None:
+        """The worker for ``request`` among those serving ``model`` (None when no
+        worker is eligible)."""
+        workers = self.eligible(exclude, model)
         if not workers:
             return None
         if session is not None:

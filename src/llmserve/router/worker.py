@@ -86,6 +86,13 @@ class Worker:
     in_flight: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    models: list[dict] | None = None  # its /v1/models cards; None: not known yet
+    digest_version: int | None = None  # version of its last /kv_cache/digest
+
+    def serves(self, model: str | None) -> bool:
+        """Does it serve ``model`` (True for no model, or while its list is unknown)?"""
+        return model is None or self.models is None or any(
+            m.get("id") == model for m in self.models)
 
     def eligible(self) -> bool:
         """Can take a new request: healthy, not draining, breaker not open."""
@@ -97,4 +104,6 @@ class Worker:
                 "circuit": self.breaker.state,
                 "num_requests_running": self.load.num_requests_running,
                 "num_requests_waiting": self.load.num_requests_waiting,
-                "kv_cache_usage_perc": self.load.kv_cache_usage_perc}
+                "kv_cache_usage_perc": self.load.kv_cache_usage_perc,
+                "models": None if self.models is None else [m.get("id") for m in self.models],
+                "kv_digest_version": self.digest_version}

@@ -54,6 +54,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_cache_ops: list[tuple[str, int, int]] = field(default_factory=list)
+    # speculative decoding: the drafts scheduled after a decode's last token; they are
+    # the last len(drafts) of its num_scheduled_tokens (vLLM's name)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +74,14 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # speculative decoding: every token a verified request emits this step (accepted
+    # drafts, then the recovered or bonus token; sampled_token_ids holds the last one),
+    # and the drafts proposed for its next step
+    spec_output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # with the first sampled token: per prompt token 1..P-1 (ids, logprobs, rank), or None
+    # when they could not be computed (see worker/prompt_logprobs.py)
+    prompt_logprobs: dict[str, list | None] = field(default_factory=dict)
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not yet)
         self.first_scheduled_time: float | None = None
         self.host_block_ids: list[int] = []  # while SWAPPED
+        self.spec_token_ids: list[int] = []  # drafts to verify in the next step
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower ``priority`` first, then earlier arrival (vLLM)."""

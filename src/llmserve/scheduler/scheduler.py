@@ -74,7 +74,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
@@ -91,6 +91,9 @@ class Scheduler:
         # requests the scheduler itself ended (no model output carried them): (id, reason)
         self.finished_without_output: list[tuple[str, str]] = []
         self.stats = SchedulerStats()
+        # speculative decoding with a draft model: KV slots after a verified run where the
+        # draft writes its next drafts' KV (vLLM's num_lookahead_tokens)
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ------------------------------------------------------------------ admission
     def check_request_fits(self, num_prompt_tokens: int) -> None:
@@ -194,6 +197,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
+        req.spec_token_ids = []
         kv.free(req.request_id)
         req.num_preemptions += 1
         self.stats.num_preemptions_total += 1
@@ -222,18 +226,20 @@ class Scheduler:
         preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids),
+                          budget)  # drafted tokens are just more tokens of the decode
             if num_new <= 0:
                 i += 1
                 continue
-            copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            num_slots = num_new + self._lookahead(req.num_computed_tokens + num_new)
+            copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_slots)
             while copies is None:
                 victim = self.running[-1]  # most recently admitted / lowest priority
                 self._preempt(victim, out)
                 preempted_running = True
                 if victim is req:
                     break
-                copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+                copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_slots)
             if copies is None:
                 if not self.running and not scheduled and req.num_output_tokens > 0 \
                         and req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
@@ -287,6 +293,9 @@ class Scheduler:
                     req.request_id, block_ids, req.num_computed_tokens,
                     resumed_from_preemption=req.request_id in admitted))
             out.num_scheduled_tokens[req.request_id] = num_new
+            num_spec = num_new - (req.num_tokens - req.num_computed_tokens)
+            if num_spec > 0:
+                out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._update_stats(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
         return out
@@ -297,7 +306,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         if req.status == RequestStatus.SWAPPED:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            copies = kv.allocate_slots(req.request_id, 0, req.num_computed_tokens + num_new)
+            copies = kv.allocate_slots(req.request_id, 0, req.num_computed_tokens + num_new
+                                       + self._lookahead(req.num_computed_tokens + num_new))
             if copies is None:
                 return None, 0
             device_ids = kv.get_block_ids(req.request_id)
@@ -306,7 +316,8 @@ class Scheduler:
             return ops, num_new
         computed_blocks = []
         num_hit = 0
-        if req.num_computed_tokens == 0:
+        # prompt logprobs need every prompt position's logits: no prefix-cache read
+        if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
             computed_blocks = kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                      req.extra_keys)
             num_hit = len(computed_blocks) * self.block_size
@@ -316,7 +327,9 @@ class Scheduler:
             if not chunked:
                 return None, 0
             num_new = budget
-        copies = kv.allocate_slots(req.request_id, num_computed, num_new, computed_blocks)
+        copies = kv.allocate_slots(req.request_id, num_computed,
+                                   num_new + self._lookahead(num_computed + num_new),
+                                   computed_blocks)
         if copies is None:
             return None, 0
         if req.num_computed_tokens == 0:
@@ -368,19 +381,34 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            req.num_computed_tokens += num_new
+            token = runner_out.sampled_token_ids.get(req_id)
+            tokens = runner_out.spec_output_token_ids.get(req_id) or (
+                [] if token is None else [token])
+            drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
+            # rejected drafts: their KV slots are rolled back (recomputed if ever needed)
+            req.num_computed_tokens += num_new - (len(drafts) - len(tokens) + 1 if drafts and tokens else 0)
+            finished = False
+            new_tokens: list[int] = []
+            for t in tokens:  # EOS, a stop id or max_tokens may fall inside a drafted run
+                req.append_output_token_ids([t])
+                new_tokens.append(t)
+                finished = req.check_stop(self.max_model_len)
+                if finished:
+                    break
+            req.spec_token_ids = self._cap_drafts(req, runner_out.spec_token_ids.get(req_id))
             kv.cache_blocks(req_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+            if drafts and not finished:
+                kv.trim(req_id, req.num_tokens + len(req.spec_token_ids))
             if req_id in self.pending_forks and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._fork_children(req)
-            token = runner_out.sampled_token_ids.get(req_id)
-            if token is None:
+            if not tokens:
                 continue  # a partial prefill chunk: nothing sampled
-            req.append_output_token_ids([token])
-            finished = req.check_stop(self.max_model_len)
             outputs.append(EngineCoreOutput(
-                req_id, [token], finish_reason=req.get_finished_reason() if finished else None,
+                req_id, new_tokens, finish_reason=req.get_finished_reason() if finished else None,
                 stop_reason=req.stop_reason, new_logprobs=runner_out.logprobs.get(req_id),
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
+            if req_id in runner_out.prompt_logprobs:
+                outputs[-1].extra["prompt_logprobs"] = runner_out.prompt_logprobs[req_id]
             if finished:
                 self.running.remove(req)
                 self._free_request(req)
@@ -388,6 +416,19 @@ class Scheduler:
         self.stats.num_waiting_reqs = len(self.waiting)
         self.stats.kv_cache_usage = kv.usage
         return outputs
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots a draft model writes after ``num_tokens`` (within max_model_len)."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens))
+
+    def _cap_drafts(self, req: Request, drafts: list[int] | None) -> list[int]:
+        """Drafts for the next step, capped so every verified position stays inside
+        ``max_model_len`` and no draft lies past ``max_tokens``."""
+        if not drafts:
+            return []
+        room = min(self.max_model_len - req.num_tokens,
+                   req.max_tokens - req.num_output_tokens - 1)
+        return list(drafts[:max(room, 0)])
 
     def _fork_children(self, leader: Request) -> None:
         """Share the leader's prompt blocks with its waiting siblings; each recomputes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import Sampler, build_sampling_metadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from llmserve.structured_output import allocate_bitmask
+from llmserve.worker.prompt_logprobs import collect_prompt_logprobs, wants_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    prompt_logprobs: list | None = None  # entries of prompt tokens 1.. (prompt_logprobs.py)
+    grammar: Any = None  # structured outputs: a GrammarMatcher, advanced by each token
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,6 +97,7 @@ class ModelRunner:
             ]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.spec_decoder = None  # a spec_decode.verifier.SpecDecoder: runs the step instead
 
     # ---------------------------------------------------------------- KV moves
     def apply_kv_cache_ops(self, ops: list[tuple[str, int, int]]) -> None:
@@ -139,7 +145,11 @@ class ModelRunner:
                 gen.manual_seed(sp.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), sp, gen,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens,
+                [] if sp.prompt_logprobs is not None else None)
+            so = sp.structured_outputs
+            if so is not None:  # compiled by the engine when the request was added
+                self.requests[new.req_id].grammar = so.compiled.new_matcher()
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids = list(cached.block_ids)
@@ -162,9 +172,11 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
         offset = 0
+        self._layout = []  # (state, first row, first position, tokens): prompt logprobs
         for i, (state, qlen) in enumerate(zip(states, query_lens)):
             start = state.num_computed_tokens
             end = start + qlen
+            self._layout.append((state, offset, start, qlen))
             ids_parts.append(state.token_ids[start:end])
             pos = np.arange(start, end, dtype=np.int64)
             blocks = np.asarray(state.block_ids, dtype=np.int64)
@@ -205,6 +217,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, sample where due."""
+        if self.spec_decoder is not None:  # speculative decoding: verify drafts, propose
+            return self.spec_decoder.execute_model(self, sched)
         self._update_states(sched)
         if sched.kv_cache_ops:
             self.apply_kv_cache_ops(sched.kv_cache_ops)
@@ -214,6 +228,8 @@ class ModelRunner:
         input_ids, positions, common, logits_idx, sample_states = self._prepare_inputs(sched)
         attn_metadata = self.model.attn_backend_cls.build_metadata(common)
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        if wants_prompt_logprobs(self._layout):
+            collect_prompt_logprobs(self.model, hidden, self._layout)
         if not sample_states:
             return out
         logits = self.model.compute_logits(hidden[logits_idx])  # [num_reqs_sampled, vocab]
@@ -223,6 +239,12 @@ class ModelRunner:
             [s.output_token_ids for s in sample_states],
             [s.generator for s in sample_states],
             self.eos_token_ids, self.vocab_size, self.device)
+        grammar_rows = [i for i, s in enumerate(sample_states) if s.grammar is not None]
+        if grammar_rows:  # structured outputs: each row's allowed next tokens
+            bitmask = allocate_bitmask(len(sample_states), self.vocab_size)
+            for i in grammar_rows:
+                sample_states[i].grammar.fill_bitmask(bitmask, i)
+            metadata.token_bitmask = bitmask
         sampler_out = self.sampler(logits, metadata)
         tokens = sampler_out.sampled_token_ids.tolist()
         lp_ids = lps = ranks = None
@@ -231,6 +253,12 @@ class ModelRunner:
             lps = sampler_out.logprobs.tolist()
             ranks = sampler_out.sampled_token_ranks.tolist()
         for i, (state, tok) in enumerate(zip(sample_states, tokens)):
+            if state.sampling_params.prompt_logprobs is not None \
+                    and len(state.token_ids) == state.num_prompt_tokens:
+                out.prompt_logprobs[state.req_id] = state.prompt_logprobs  # None: unavailable
+            if state.grammar is not None and not state.grammar.accept_token(tok) \
+                    and not state.grammar.is_terminated():
+                logger.warning("request %s: token %d refused by its grammar", state.req_id, tok)
             state.token_ids.append(tok)
             out.sampled_token_ids[state.req_id] = tok
             n = state.sampling_params.logprobs

@@ -44,6 +44,7 @@ from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.entrypoints.batch.api import install_batch_api
+from llmserve.entrypoints.openai.kv_digest import DIGEST_PATH, install_kv_digest
 from llmserve.entrypoints.openai.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestBodyLimitMiddleware,
@@ -66,6 +67,7 @@ from llmserve.protocol.openai import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from llmserve.tokenizer import decode_ids, encode_text
@@ -206,7 +208,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     if api_key:  # added last = outermost: a request without the key is never read
         open_paths = ("/health", *DASHBOARD_PATHS)
         if public_metrics:
-            open_paths += ("/metrics", *DATA_PATHS)
+            open_paths += ("/metrics", *DATA_PATHS, DIGEST_PATH)
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _install_error_handlers(app)
     install_openapi(app, api_key_required=bool(api_key))
@@ -215,6 +217,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     async def health() -> Response:
         state.require_engine()
         return Response(status_code=200)  # no body, as vLLM's /health
+
+    install_kv_digest(app, state)
 
     @app.get("/version", responses=responses(VersionResponse))
     async def version() -> VersionResponse:
@@ -290,5 +294,15 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
 
         body = await state.chat.run_tokenizer(run)
         return Response(body, media_type="application/json")
+
+    @app.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, 503))
+    async def tokenizer_info() -> Response:  # vLLM's; lm-eval's remote tokenizer reads it
+        engine = state.require_engine()
+        tok = engine.tokenizer
+        info = TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
+            pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
+            model_max_length=engine.max_model_len)
+        return Response(info.model_dump_json(), media_type="application/json")
 
     return app

@@ -45,6 +45,12 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $LLMSERVE_API_KEY, else no key)")
+    p.add_argument("--register-with", action="append", default=[], metavar="ROUTER_URL",
+                   help="once ready, join this `llmserve router` (POST /workers); leave it "
+                        "(drain) on SIGTERM (repeatable)")
+    p.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="the URL routers should use for this worker (default: the bound "
+                        "address; needed with --host 0.0.0.0)")
     p.add_argument("--allow-unauthenticated-metrics", action="store_true",
                    help="with --api-key, leave /metrics open (e.g. for a Prometheus "
                         "scraper without credentials)")
@@ -113,11 +119,15 @@ def _graceful_server_class(uvicorn):
         stream ends cleanly (a ``finish_reason: "abort"`` chunk, then ``[DONE]``).
         uvicorn's own cancellation, ``BACKSTOP_S`` later, is only a backstop."""
 
-        def __init__(self, config, state, drain_timeout: float) -> None:
+        def __init__(self, config, state, drain_timeout: float, registration=None) -> None:
             super().__init__(config)
             self.state, self.drain_timeout = state, drain_timeout
+            self.registration = registration
 
         async def shutdown(self, sockets=None) -> None:
+            if self.registration is not None:  # routers stop sending before we drain
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self.registration.deregister)
             handle = asyncio.get_running_loop().call_later(self.drain_timeout, self._abort_rest)
             try:
                 await super().shutdown(sockets)
@@ -158,6 +168,14 @@ def run_server(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     holder: dict = {}
+    registration = None
+    if args.register_with:
+        from llmserve.entrypoints.openai.registration import RouterRegistration
+
+        if args.advertise_url is None and host in ("0.0.0.0", "::"):
+            raise ValueError("--register-with with --host 0.0.0.0 needs --advertise-url "
+                             "(the address routers can reach)")
+        registration = RouterRegistration(args.register_with, args.advertise_url or url)
 
     def on_failure() -> None:
         holder["server"].should_exit = True
@@ -165,6 +183,8 @@ def run_server(args: argparse.Namespace) -> int:
     def on_ready(engine) -> None:
         print(f"llmserve: model {names[0]!r} ready ({engine.engine.config.dtype}, "
               f"max_model_len {engine.max_model_len}); OpenAI API at {url}/v1", flush=True)
+        if registration is not None:
+            registration.register()
 
     app = build_app(engine_args, names, api_key=args.api_key,
                     max_waiting_requests=args.max_waiting_requests,
@@ -178,7 +198,8 @@ def run_server(args: argparse.Namespace) -> int:
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S,
                             timeout_keep_alive=5)
-    server = _graceful_server_class(uvicorn)(config, app.state.server, args.shutdown_timeout)
+    server = _graceful_server_class(uvicorn)(config, app.state.server, args.shutdown_timeout,
+                                             registration)
     holder["server"] = server
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler
     # makes that a clean exit 0 after a graceful SIGTERM.

@@ -27,6 +27,7 @@ from llmserve.entrypoints.openai.serving_engine import (
     bad_request,
     collect,
     iterate_streams,
+    prompt_logprobs_json,
     random_id,
     sse,
     sse_error,
@@ -190,7 +191,9 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(prompt_ids)
         resp = ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=usage_info(num_prompt, num_generated, finals[0].num_cached_tokens))
+            usage=usage_info(num_prompt, num_generated, finals[0].num_cached_tokens),
+            prompt_logprobs=(prompt_logprobs_json(finals[0].prompt_logprobs)
+                             if req.prompt_logprobs is not None else None))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def _stream(self, request_id: str, model: str, created: int,

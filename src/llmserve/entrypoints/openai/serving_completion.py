@@ -15,17 +15,19 @@ from starlette.responses import Response, StreamingResponse
 from llmserve.engine.async_llm import RequestStream
 from llmserve.entrypoints.openai.serving_engine import (
     LOGPROB_FLOOR,
+    APIError,
     OpenAIServing,
     PromptInput,
     bad_request,
     collect,
     iterate_streams,
+    prompt_logprobs_json,
     random_id,
     sse,
     sse_error,
     until_disconnect,
 )
-from llmserve.outputs import SampleLogprobs
+from llmserve.outputs import Logprob, SampleLogprobs
 from llmserve.protocol.openai import (
     CompletionLogProbs,
     CompletionRequest,
@@ -74,6 +76,26 @@ def completion_logprobs(token_ids: list[int], entries: SampleLogprobs, num_top: 
     return lp, offset, pending
 
 
+def echo_logprobs(prompt_ids: list[int], entries: list | None, num_top: int,
+                  token_bytes: TokenBytes) -> tuple[CompletionLogProbs, int, bytes]:
+    """Legacy logprobs of the prompt (``echo`` with ``logprobs``, as OpenAI's legacy
+    completions and lm-eval's loglikelihood expect): the first token has
+    ``token_logprobs`` and ``top_logprobs`` None. Returns what
+    :func:`completion_logprobs` returns, to continue with the generated tokens.
+
+    Raises:
+        APIError 500 when the engine has no prompt logprobs for the request.
+    """
+    if entries is None or len(entries) != len(prompt_ids):
+        raise APIError(500, "prompt logprobs are missing for this request", "server_error")
+    first = {prompt_ids[0]: Logprob(0.0, 1)}
+    lp, offset, pending = completion_logprobs(prompt_ids, [first, *entries[1:]], num_top, 0,
+                                              token_bytes)
+    lp.token_logprobs[0] = None
+    lp.top_logprobs[0] = None
+    return lp, offset, pending
+
+
 class OpenAIServingCompletion(OpenAIServing):
     """Handler of the completions endpoint (see :class:`OpenAIServing` for the args)."""
 
@@ -110,23 +132,28 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of must be omitted or equal n ({req.n}), got "
                               f"{req.best_of}", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which are not "
-                              "supported yet; drop one of them", "echo")
+        echo_only = req.max_tokens == 0  # score the prompt, generate nothing (lm-eval)
+        if echo_only and not req.echo:
+            raise bad_request("max_tokens must be >= 1 (0 only with echo=true)", "max_tokens")
+        max_tokens = 1 if echo_only else req.max_tokens
+        echo_lp = req.logprobs if req.echo else None  # echo + logprobs: prompt logprobs
+        if echo_lp is not None and req.prompt_logprobs is not None:
+            echo_lp = max(echo_lp, req.prompt_logprobs)
         single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
         self.check_capacity(req.n * (1 if single else max(len(req.prompt), 1)))
         prompts = await self.run_tokenizer(self._prompts, req.prompt)
         for p in prompts:
             p.cache_salt = req.cache_salt
-        jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), req.max_tokens),
-                                         req.logprobs)) for p in prompts]
+        jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), max_tokens),
+                                         req.logprobs, echo_lp)) for p in prompts]
         request_id = random_id("cmpl")
         streams = await self.start(request_id, jobs, req.n, req.priority)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(req, request_id, model, created, streams, prompts, include_usage),
+                self._stream(req, request_id, model, created, streams, prompts, include_usage,
+                             echo_only),
                 media_type="text/event-stream")
         try:
             finals = await until_disconnect(raw_request, collect(streams))
@@ -139,15 +166,27 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         for i, out in enumerate(finals):
             c = out.outputs[0]
-            num_generated += len(c.token_ids)
-            prefix = await self._prompt_text(prompts[i // req.n]) if req.echo else ""
+            prompt = prompts[i // req.n]
+            gen_ids, gen_lps, text = c.token_ids, c.logprobs, c.text
+            if echo_only:
+                gen_ids, gen_lps, text = [], [], ""
+            num_generated += len(gen_ids)
+            prefix = await self._prompt_text(prompt) if req.echo else ""
             logprobs = None
-            if req.logprobs is not None and c.logprobs is not None:
-                logprobs, _, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0,
-                                                     self.token_bytes)
+            if req.logprobs is not None and gen_lps is not None:
+                offset, pending = 0, b""
+                if req.echo:
+                    logprobs, offset, pending = echo_logprobs(
+                        prompt.token_ids, out.prompt_logprobs, req.logprobs, self.token_bytes)
+                gen, _, _ = completion_logprobs(gen_ids, gen_lps, req.logprobs, offset,
+                                                self.token_bytes, pending)
+                logprobs = gen if logprobs is None else _concat(logprobs, gen)
             choices.append(CompletionResponseChoice(
-                index=i, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason))
+                index=i, text=prefix + text, logprobs=logprobs,
+                finish_reason="length" if echo_only else c.finish_reason,
+                stop_reason=None if echo_only else c.stop_reason,
+                prompt_logprobs=(prompt_logprobs_json(out.prompt_logprobs)
+                                 if req.prompt_logprobs is not None else None)))
         num_prompt = sum(len(p.token_ids) for p in prompts)
         cached = sum(out.num_cached_tokens for out in finals[::req.n])  # once per prompt
         resp = CompletionResponse(
@@ -157,7 +196,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str, created: int,
                       streams: list[RequestStream], prompts: list[PromptInput],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, echo_only: bool = False) -> AsyncIterator[str]:
         n = req.n
         echoed = [False] * len(streams)
         offsets = [0] * len(streams)
@@ -167,25 +206,38 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in iterate_streams(streams):
                 c = out.outputs[0]
-                num_generated += len(c.token_ids)
+                gen_ids, gen_lps, text = c.token_ids, c.logprobs, c.text
+                if echo_only:
+                    gen_ids, gen_lps, text = [], [], ""
+                num_generated += len(gen_ids)
                 if i % n == 0:
                     cached[i // n] = max(cached[i // n], out.num_cached_tokens)
-                text = c.text
+                logprobs = None
+                plp = None
                 if req.echo and not echoed[i]:
                     echoed[i] = True
                     text = await self._prompt_text(prompts[i // n]) + text
-                logprobs = None
-                if req.logprobs is not None and c.logprobs:
-                    logprobs, offsets[i], pending[i] = completion_logprobs(
-                        c.token_ids, c.logprobs, req.logprobs, offsets[i], self.token_bytes,
+                    if req.logprobs is not None:
+                        logprobs, offsets[i], pending[i] = echo_logprobs(
+                            prompts[i // n].token_ids, out.prompt_logprobs, req.logprobs,
+                            self.token_bytes)
+                if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    plp = prompt_logprobs_json(out.prompt_logprobs)
+                if req.logprobs is not None and gen_lps:
+                    gen, offsets[i], pending[i] = completion_logprobs(
+                        gen_ids, gen_lps, req.logprobs, offsets[i], self.token_bytes,
                         pending[i])
+                    logprobs = gen if logprobs is None else _concat(logprobs, gen)
                 if not text and logprobs is None and c.finish_reason is None:
                     continue  # held back (stop-string buffer or an unfinished character)
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[
-                        CompletionResponseChoice(index=i, text=text, logprobs=logprobs,
-                                                 finish_reason=c.finish_reason,
-                                                 stop_reason=c.stop_reason)])
+                        CompletionResponseChoice(
+                            index=i, text=text, logprobs=logprobs,
+                            finish_reason=("length" if echo_only and c.finish_reason
+                                           else c.finish_reason),
+                            stop_reason=None if echo_only else c.stop_reason,
+                            prompt_logprobs=plp)])
                 yield sse(chunk.model_dump_json())
             if include_usage:
                 num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -198,3 +250,11 @@ class OpenAIServingCompletion(OpenAIServing):
             for s in streams:
                 s.abort()
         yield "data: [DONE]\n\n"
+
+
+def _concat(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
+    """The prompt's legacy logprobs followed by the generated tokens'."""
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)

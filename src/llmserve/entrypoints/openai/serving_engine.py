@@ -37,7 +37,7 @@ from llmserve.protocol.openai import (
     ErrorResponse,
     SamplingFields,
 )
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.token_bytes import TokenBytes
 
 MAX_N = 128  # most choices one request may ask for
@@ -111,6 +111,50 @@ class PromptInput:
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` (-inf clamped to LOGPROB_FLOOR)."""
+    if entries is None:
+        return None
+    return [None if e is None else {
+        str(tid): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+        for e in entries]
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI) or vLLM's ``guided_*`` / ``structured_outputs``
+    extras -> :class:`StructuredOutputsParams`. Raises APIError 400 naming the field
+    when several are set or one is malformed."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise bad_request("response_format.json_schema.schema is required for type "
+                              "json_schema", "response_format")
+        found.append(("response_format", {"json": rf.json_schema.json_schema}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, {key: getattr(req, name)}))
+    if req.structured_outputs:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request("set one structured-output constraint, got "
+                          + ", ".join(name for name, _ in found), found[1][0])
+    name, kw = found[0]
+    try:
+        so = StructuredOutputsParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"{name}: {e}", name) from None
+    so.source_field = name  # the request field that compile errors name
+    return so
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -129,7 +173,9 @@ def fan_out(request_id: str, params: SamplingParams, n: int
         p = params.clone()
         if p.seed is not None:
             p.seed = params.seed + i
-        out.append((f"{request_id}-{i}", p, f"{request_id}-0" if i else None))
+        # prompt logprobs need each choice's own prefill (a fork computes one token)
+        fork = i and params.prompt_logprobs is None
+        out.append((f"{request_id}-{i}", p, f"{request_id}-0" if fork else None))
     return out
 
 
@@ -233,11 +279,34 @@ class OpenAIServing:
                 f"{max(kv_tokens - prompt_len, 0)} or the length of the prompt.", field)
         return max_tokens
 
+    async def compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a worker thread (cached per spec), so the
+        engine step that admits it never waits. Raises APIError 400 for a bad spec."""
+        so = params.structured_outputs
+        if so is None or so.compiled is not None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.structured_output.compile, so)
+        except ValueError as e:
+            raise bad_request(str(e), getattr(so, "source_field", "response_format")) from None
+
     def sampling_params(self, req: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """Request fields -> SamplingParams (OpenAI defaults). Raises APIError 400."""
+        logit_bias = None
         if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                                  "logit_bias") from None
+            vocab = self.engine.engine.config.model_config.vocab_size
+            bad = [t for t in logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"logit_bias: {bad[0]} is not a token id in [0, {vocab})",
+                                  "logit_bias")
         if not 1 <= req.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
         if req.stream_options is not None and not req.stream:
@@ -252,6 +321,11 @@ class OpenAIServing:
                 n=1, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                prompt_logprobs=(prompt_logprobs if prompt_logprobs is not None
+                                 else req.prompt_logprobs),
+                structured_outputs=(structured if structured is not None
+                                    else structured_outputs_of(req)),
+                logit_bias=logit_bias,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 **{k: v for k, v in kw.items() if v is not None})
@@ -271,6 +345,8 @@ class OpenAIServing:
         """
         if not self.engine.is_running:
             raise service_unavailable("the engine is not running (shutting down)")
+        for _, params in prompts:
+            await self.compile_structured(params)
         jobs = []
         for p, (prompt, params) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{p}"

@@ -11,18 +11,21 @@ Per request, with ``loads`` the router's in-flight counts of the eligible worker
 A miss goes to the least-loaded worker, never to the one with the smallest tree
 (SGLang PR 14305: sending every miss to the smallest tree melts it).
 
-The router's view of a worker's cache is approximate: the chained block hashes
-(:mod:`llmserve.router.prefix`, the engine's own hash) of every prompt it routed
-there, in an LRU bounded by ``max_blocks_per_worker``. Workers do not publish
-their cache contents yet; between updates (today: always) the router assumes what
-it routed is cached. Because hashes are chained, block i matching means the whole
-prefix up to i matches. Source: SGLang router ``cache_aware`` (approximate radix
+The router's view of a worker's cache: the block hashes the worker *published*
+(its ``GET /kv_cache/digest``, polled with the health checks: exactly what it
+holds, evictions included), plus the chained block hashes (:mod:`llmserve.router.prefix`,
+the engine's own hash) of every prompt routed there *since* that digest was asked
+for, which the router assumes cached until the next digest says (an LRU bounded by
+``max_blocks_per_worker``). A worker that publishes no digest (not ours) is seen by
+what was routed to it only. Because hashes are chained, block i matching means the
+whole prefix up to i matches. Source: SGLang router ``cache_aware`` (approximate radix
 tree per worker; ``balance_abs_threshold``, ``balance_rel_threshold``,
 ``cache_threshold``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from llmserve.router.policies.base import (
@@ -47,6 +50,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     name = "cache_aware"
     needs_tokens = True
+    wants_digest = True  # the health checker feeds it workers' /kv_cache/digest
 
     def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
                  cache_threshold: float = 0.3, max_blocks_per_worker: int = 200_000) -> None:
@@ -62,19 +66,29 @@ class CacheAwarePolicy(RoutingPolicy):
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
         self.max_blocks_per_worker = max_blocks_per_worker
-        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self.clock = time.monotonic
+        # assumed: hash -> when it was routed there (oldest first); published: the digest
+        self._blocks: dict[str, OrderedDict[bytes, float]] = {}
+        self._published: dict[str, frozenset[bytes]] = {}
 
     def matched_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
         """Leading blocks of ``block_hashes`` the router believes ``worker_id`` holds."""
-        held = self._blocks.get(worker_id)
-        if not held:
-            return 0
+        held = self._blocks.get(worker_id) or {}
+        published = self._published.get(worker_id, frozenset())
         n = 0
         for h in block_hashes:
-            if h not in held:
+            if h not in held and h not in published:
                 break
             n += 1
         return n
+
+    def on_digest(self, worker_id: str, hashes: list[bytes], asked_at: float) -> None:
+        """The worker holds exactly ``hashes`` as of ``asked_at`` (``self.clock`` time the
+        digest was requested): it replaces every assumption made before then."""
+        self._published[worker_id] = frozenset(hashes)
+        held = self._blocks.get(worker_id)
+        while held and next(iter(held.values())) < asked_at:
+            held.popitem(last=False)
 
     def is_imbalanced(self, workers: list[Worker]) -> bool:
         loads = [w.in_flight for w in workers]
@@ -97,11 +111,13 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def on_routed(self, request: RouteRequest, worker: Worker) -> None:
         held = self._blocks.setdefault(worker.id, OrderedDict())
+        now = self.clock()
         for h in request.block_hashes:
-            held[h] = None
+            held[h] = now
             held.move_to_end(h)
         while len(held) > self.max_blocks_per_worker:
             held.popitem(last=False)
 
     def on_remove(self, worker_id: str) -> None:
         self._blocks.pop(worker_id, None)
+        self._published.pop(worker_id, None)

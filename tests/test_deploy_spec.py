@@ -1,0 +1,126 @@
+"""The deployment spec alone (no processes but the CLI's): pydantic validation with
+errors that name the field and its line, cross-field checks, the serving-plane
+import rule, and `llmserve up` refusing a bad spec before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmserve.deploy.spec import SpecError, parse_spec
+
+HASH = "sha256$00$" + "0" * 64
+GOOD = textwrap.dedent(f"""\
+    name: demo
+    models:
+      - name: smollm2
+        worker: {{max_num_seqs: 8, kv_cache_memory: 128MiB}}
+        replicas: {{min: 1, max: 2}}
+    gateway:
+      teams: {{research: {{rpm: 600}}}}
+      keys:
+        - {{id: ci, team: research, role: member, key_hash: "{HASH}"}}
+    """)
+
+
+def errors(text: str) -> list[tuple[str, int, str]]:
+    with pytest.raises(SpecError) as e:
+        parse_spec(text, "llmserve.yaml")
+    from llmserve.deploy.spec import dotted
+
+    return [(dotted(loc), line, msg) for loc, line, msg in e.value.errors]
+
+
+def test_good_spec_and_defaults():
+    spec = parse_spec(GOOD)
+    m = spec.model
+    assert (m.name, m.source, m.worker.tp, m.worker.max_num_seqs) == \
+        ("smollm2", "smollm2-135m-instruct", 1, 8)
+    assert (m.replicas.min, m.replicas.max) == (1, 2)
+    assert spec.router.policy == "cache_aware" and spec.redis.url is None
+    assert spec.gateway.keys[0].role == "member"
+    assert spec.autoscaling.stable_window_s == 60 and spec.autoscaling.panic_window_s == 6
+    gw = spec.gateway.gateway_yaml()
+    assert gw["keys"][0]["key_hash"] == HASH and gw["teams"]["research"]["rpm"] == 600
+
+
+def test_unknown_field_names_field_and_line():
+    text = GOOD.replace("max_num_seqs: 8,", "max_num_seqs: 8, max_num_sqes: 4,")
+    assert errors(text) == [("models[0].worker.max_num_sqes", 4, "unknown field")]
+    top = GOOD + "replica: 3\n"
+    assert errors(top) == [("replica", 10, "unknown field")]
+
+
+def test_tp_must_divide_heads():
+    # the default model has 9 attention heads and 3 KV heads
+    text = GOOD.replace("max_num_seqs: 8,", "tp: 2, max_num_seqs: 8,")
+    (loc, line, msg), = errors(text)
+    assert (loc, line) == ("models[0].worker.tp", 4) and "9 attention heads" in msg
+    parse_spec(GOOD.replace("max_num_seqs: 8,", "tp: 3, max_num_seqs: 8,"))  # 3 divides 9
+    # a registry source cannot tell; the spec may say
+    reg = GOOD.replace("worker: {", "source: registry://big@1\n    num_attention_heads: 64\n"
+                                    "    num_key_value_heads: 8\n    worker: {tp: 12, ")
+    (loc, line, msg), = errors(reg)
+    assert loc == "models[0].worker.tp" and line == 7 and "64 attention heads" in msg
+
+
+def test_key_with_unknown_role_or_team():
+    text = GOOD.replace("role: member", "role: superuser")
+    (loc, line, msg), = errors(text)
+    assert (loc, line) == ("gateway.keys[0].role", 9) and "'admin', 'member' or 'viewer'" in msg
+    (loc, line, msg), = errors(GOOD.replace("team: research,", "team: nope,"))
+    assert (loc, line) == ("gateway.keys[0].team", 9) and "unknown team 'nope'" in msg
+
+
+def test_min_replicas_above_max_and_several_errors_at_once():
+    text = GOOD.replace("{min: 1, max: 2}", "{min: 3, max: 2}").replace(
+        "max_num_seqs: 8", "max_num_seqs: 0")
+    got = errors(text)
+    assert [(loc, line) for loc, line, _ in got] == [("models[0].worker.max_num_seqs", 4)]
+    (loc, line, msg), = errors(GOOD.replace("{min: 1, max: 2}", "{min: 3, max: 2}"))
+    assert (loc, line) == ("models[0].replicas.min", 5) and "min (3) is larger than max (2)" \
+        in msg
+
+
+def test_bad_values_and_yaml():
+    (loc, _, msg), = errors(GOOD.replace("kv_cache_memory: 128MiB", "kv_cache_memory: lots"))
+    assert loc == "models[0].worker.kv_cache_memory" and "4GiB" in msg
+    (loc, _, _), = errors(GOOD.replace("name: demo", "name: Demo_1"))
+    assert loc == "name"
+    with pytest.raises(ValueError, match=r"llmserve.yaml:4: not valid YAML"):
+        parse_spec("name: a\nmodels:\n  - [\n", "llmserve.yaml")
+    with pytest.raises(ValueError, match="duplicate key 'name'"):
+        parse_spec("name: a\nname: b\n", "llmserve.yaml")
+
+
+def test_deploy_and_registry_import_neither_torch_nor_engine():
+    code = ("import sys\nimport llmserve.deploy.cli, llmserve.deploy.spec, "
+            "llmserve.deploy.local\nimport llmserve.entrypoints.cli as c\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')\n"
+            "       or m.startswith('llmserve.engine')]\nassert not bad, bad\n")
+    for extra in ("llmserve.deploy.kubernetes", "llmserve.deploy.autoscaler",
+                  "llmserve.registry.store", "llmserve.registry.cli"):
+        try:
+            __import__(extra)
+        except ModuleNotFoundError:
+            continue
+        code = f"import {extra}\n" + code
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_up_refuses_bad_spec_before_starting(tmp_path):
+    bad = tmp_path / "llmserve.yaml"
+    bad.write_text(GOOD.replace("role: member", "role: root"))
+    state = tmp_path / "state"
+    out = subprocess.run([sys.executable, "-m", "llmserve.entrypoints.cli", "up", str(bad),
+                          "--state-dir", str(state)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"{bad}:9: gateway.keys[0].role" in out.stderr
+    assert not os.path.exists(state)  # nothing started, nothing written
