@@ -24,6 +24,7 @@ from llmserve.entrypoints.batch.batch_format import BatchItem, result_line
 from llmserve.entrypoints.batch.checkpoint import CheckpointStore
 
 logger = logging.getLogger("llmserve.batch")
+RETRY_503_S = 1.0  # a 503 (overloaded, loading) is retried after this many seconds
 Executor = Callable[[BatchItem], Awaitable[tuple[int | None, dict | None, dict | None]]]
 
 
@@ -37,7 +38,8 @@ class _NeverDisconnects:
 
 
 def handler_executor(completion: Any, chat: Any) -> Executor:
-    """An executor over the server's handlers: ``(status, body, error)`` per item."""
+    """An executor over the server's handlers: ``(status, body, error)`` per item. A
+    503 is not a result: the request is retried every :data:`RETRY_503_S` seconds."""
     from llmserve.entrypoints.openai.serving_engine import APIError, bad_request
     from llmserve.protocol import validation_message
     from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -54,8 +56,16 @@ def handler_executor(completion: Any, chat: Any) -> Executor:
                 message, param = validation_message(e.errors())
                 raise bad_request(message, param) from None
             handler = chat.create_chat_completion if chat_url else completion.create_completion
-            resp = await handler(req, _NeverDisconnects())
-            return resp.status_code, json.loads(resp.body), None
+            while True:
+                try:
+                    resp = await handler(req, _NeverDisconnects())
+                    return resp.status_code, json.loads(resp.body), None
+                except APIError as e:
+                    if e.status != 503:
+                        raise
+                    # overloaded or shutting down: a batch waits instead of failing the
+                    # line (a stop or cancel ends the wait; the line runs on resume)
+                    await asyncio.sleep(RETRY_503_S)
         except APIError as e:
             return e.status, e.body(), None
 
