@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from llmserve.kv_cache.kv_store import (
@@ -119,18 +120,29 @@ def _prompts(tokenizer) -> tuple[list[int], list[int], list[int]]:
     return prefix, prefix + suffix_a, prefix + suffix_b
 
 
-@pytest.mark.model
-def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url):
-    import torch
-
+@pytest.fixture(scope="module")
+def shared(llm_fp32, redis_url):
+    """The prompts, the cold run on B (no store) and worker A after it computed the
+    prefix (its blocks in Redis)."""
     prefix, prompt_a, prompt_b = _prompts(llm_fp32.get_tokenizer())
     cold = _engine(llm_fp32, None)
-    want_tokens, want_lps, cold_cached = _generate(cold, prompt_b)
-    assert cold_cached == 0
+    want = _generate(cold, prompt_b)
+    assert want[2] == 0
     worker_a = _engine(llm_fp32, redis_url)
     _generate(worker_a, prompt_a)
     store_a = worker_a.engine.kv_store
     assert store_a.flush() and store_a.stats.writes >= PREFIX_BLOCKS
+    yield {"prefix": prefix, "prompt_b": prompt_b, "want": want, "worker_a": worker_a}
+    store_a.close()
+
+
+@pytest.mark.model
+def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url, shared):
+    import torch
+
+    prefix, prompt_b = shared["prefix"], shared["prompt_b"]
+    want_tokens, want_lps, _ = shared["want"]
+    store_a = shared["worker_a"].engine.kv_store
     worker_b = _engine(llm_fp32, redis_url)
     store_b = worker_b.engine.kv_store
     assert store_b.layout == store_a.layout
@@ -177,5 +189,25 @@ def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url):
     # B recomputed the block and wrote it back: its next lookup finds the whole chain
     assert client.get(key) == good
     run_b(PREFIX_BLOCKS * BS)
-    for llm in (worker_a, worker_b):
-        llm.engine.kv_store.close()
+    store_b.close()
+
+
+@pytest.mark.model
+def test_server_with_kv_store_serves_the_prefix_from_redis(llm_fp32, redis_url, shared):
+    """``llmserve serve --kv-store``: a worker process loads worker A's blocks; the
+    OpenAI usage reports them as cached tokens and the greedy text is the cold run's."""
+    from tests.test_server import MODEL, start_server, stop_server
+
+    server = start_server("--kv-store", redis_url, "--max-num-batched-tokens", str(CHUNK),
+                          "--max-model-len", "2048")
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": shared["prompt_b"], "max_tokens": MAX_TOKENS,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_BLOCKS * BS
+        want_text = llm_fp32.get_tokenizer().decode(list(shared["want"][0]))
+        assert body["choices"][0]["text"] == want_text
+    finally:
+        assert stop_server(server) == 0, server.log()
