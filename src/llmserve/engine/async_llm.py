@@ -380,6 +380,7 @@ class AsyncLLM:
             max_batch_size_seen=st.max_batch_size_seen,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
+            kv_store_hits_total=st.kv_store_hits_total,
             spec_decoding=(self.engine.spec_decoding_stats.as_dict()
                            if self.engine.spec_decoding_stats is not None else None))
         if not self.stat_loggers:
