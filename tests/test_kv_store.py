@@ -82,6 +82,14 @@ def test_store_lookup_stops_at_first_miss_and_bad_urls_are_value_errors(redis_ur
     store.client.set(block_key(lay, hashes[2]), encode_block(lay, hashes[2], bodies[2])[:-3])
     assert len(store.lookup(hashes)) == 2 and store.stats.invalid == 1
     store.close()
+    # Redis going away: lookups are misses, writes are dropped, nothing raises
+    doomed = start_redis()
+    lost = RedisKVStore(doomed.url, lay)
+    doomed.stop()
+    assert lost.lookup(hashes) == [] and lost.stats.errors == 1
+    assert lost.put_async(hashes[:1], lambda: bodies[:1]) and lost.flush()
+    assert lost.stats.writes_dropped == 1 and lost.stats.writes == 0
+    lost.close()
     with pytest.raises(ValueError, match="redis://"):
         RedisKVStore("http://localhost:1", lay)
     with pytest.raises(ValueError, match="cannot reach Redis"):
