@@ -240,6 +240,9 @@ class AsyncLLM:
             self._cv.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        store = getattr(self.engine, "kv_store", None)
+        if store is not None:  # finish the queued KV store writes
+            store.close()
 
     # ------------------------------------------------------------------ internals
     def _submit_abort(self, request_ids: list[str], keep_streams: bool = False) -> None:
