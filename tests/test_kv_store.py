@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from llmserve.kv_cache.kv_store import (
@@ -81,6 +82,14 @@ def test_store_lookup_stops_at_first_miss_and_bad_urls_are_value_errors(redis_ur
     store.client.set(block_key(lay, hashes[2]), encode_block(lay, hashes[2], bodies[2])[:-3])
     assert len(store.lookup(hashes)) == 2 and store.stats.invalid == 1
     store.close()
+    # Redis going away: lookups are misses, writes are dropped, nothing raises
+    doomed = start_redis()
+    lost = RedisKVStore(doomed.url, lay)
+    doomed.stop()
+    assert lost.lookup(hashes) == [] and lost.stats.errors == 1
+    assert lost.put_async(hashes[:1], lambda: bodies[:1]) and lost.flush()
+    assert lost.stats.writes_dropped == 1 and lost.stats.writes == 0
+    lost.close()
     with pytest.raises(ValueError, match="redis://"):
         RedisKVStore("http://localhost:1", lay)
     with pytest.raises(ValueError, match="cannot reach Redis"):
@@ -89,6 +98,57 @@ def test_store_lookup_stops_at_first_miss_and_bad_urls_are_value_errors(redis_ur
 
     with pytest.raises(ValueError, match="kv_store_ttl"):
         CacheConfig(kv_store=redis_url, kv_store_ttl=0)
+
+
+class DictStore:
+    """The store's scheduler-facing contract (lookup, a chained prefix) over a dict."""
+
+    def __init__(self, blocks: dict[bytes, bytes]) -> None:
+        self.blocks = blocks
+        self.calls = 0
+
+    def lookup(self, hashes):
+        self.calls += 1
+        out = []
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            out.append(self.blocks[h])
+        return out
+
+
+def test_scheduler_loads_store_hits_as_computed_blocks_and_does_not_write_them_back():
+    from llmserve.config import SchedulerConfig
+    from llmserve.kv_cache import KVCacheManager, extend_block_hashes
+    from llmserve.scheduler import Scheduler
+    from tests.test_prefix_cache import req
+    from tests.test_scheduler import FakeRunner
+
+    bs = 4
+    tokens = list(range(100, 122))  # 5 full blocks + 2 tokens
+    hashes = extend_block_hashes([], tokens, bs)
+    store = DictStore({h: b"kv%d" % i for i, h in enumerate(hashes[:3])})  # blocks 0..2
+    kv = KVCacheManager(8, bs, enable_caching=True, kv_store=store)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64), kv)
+    sched.add_request(req("a", tokens, max_tokens=1))
+    out = sched.schedule()
+    loads = [op for op in out.kv_cache_ops if op[0] == "load"]
+    block_ids = kv.get_block_ids("a")
+    assert loads == [("load", b"kv0", block_ids[0]), ("load", b"kv1", block_ids[1]),
+                     ("load", b"kv2", block_ids[2])]
+    assert out.num_scheduled_tokens == {"a": len(tokens) - 12}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
+    assert sched.stats.kv_store_hits_total == 12 and sched.stats.prefix_cache_hits_total == 0
+    sched.update_from_output(out, FakeRunner(bs).execute(out))
+    # blocks 3 and 4 were computed here: only they are written; 0..2 came from the store
+    assert kv.pop_newly_cached() == [(hashes[3], block_ids[3]), (hashes[4], block_ids[4])]
+    assert store.calls == 1
+    # the loaded blocks are now local prefix-cache blocks: no second store lookup
+    sched.add_request(req("b", tokens[:20] + [7, 7], max_tokens=1))
+    out = sched.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 20
+    assert not [op for op in out.kv_cache_ops if op[0] == "load"] and store.calls == 1
 
 
 # ---------------------------------------------------------------- two engines, one Redis
@@ -119,18 +179,29 @@ def _prompts(tokenizer) -> tuple[list[int], list[int], list[int]]:
     return prefix, prefix + suffix_a, prefix + suffix_b
 
 
-@pytest.mark.model
-def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url):
-    import torch
-
+@pytest.fixture(scope="module")
+def shared(llm_fp32, redis_url):
+    """The prompts, the cold run on B (no store) and worker A after it computed the
+    prefix (its blocks in Redis)."""
     prefix, prompt_a, prompt_b = _prompts(llm_fp32.get_tokenizer())
     cold = _engine(llm_fp32, None)
-    want_tokens, want_lps, cold_cached = _generate(cold, prompt_b)
-    assert cold_cached == 0
+    want = _generate(cold, prompt_b)
+    assert want[2] == 0
     worker_a = _engine(llm_fp32, redis_url)
     _generate(worker_a, prompt_a)
     store_a = worker_a.engine.kv_store
     assert store_a.flush() and store_a.stats.writes >= PREFIX_BLOCKS
+    yield {"prefix": prefix, "prompt_b": prompt_b, "want": want, "worker_a": worker_a}
+    store_a.close()
+
+
+@pytest.mark.model
+def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url, shared):
+    import torch
+
+    prefix, prompt_b = shared["prefix"], shared["prompt_b"]
+    want_tokens, want_lps, _ = shared["want"]
+    store_a = shared["worker_a"].engine.kv_store
     worker_b = _engine(llm_fp32, redis_url)
     store_b = worker_b.engine.kv_store
     assert store_b.layout == store_a.layout
@@ -177,5 +248,26 @@ def test_worker_b_loads_the_prefix_worker_a_computed(llm_fp32, redis_url):
     # B recomputed the block and wrote it back: its next lookup finds the whole chain
     assert client.get(key) == good
     run_b(PREFIX_BLOCKS * BS)
-    for llm in (worker_a, worker_b):
-        llm.engine.kv_store.close()
+    store_b.close()
+
+
+@pytest.mark.model
+def test_server_with_kv_store_serves_the_prefix_from_redis(llm_fp32, redis_url, shared):
+    """``llmserve serve --kv-store``: a worker process loads worker A's blocks; the
+    OpenAI usage reports them as cached tokens and the greedy text is the cold run's."""
+    from tests.test_server import MODEL, metrics, start_server, stop_server
+
+    server = start_server("--kv-store", redis_url, "--max-num-batched-tokens", str(CHUNK),
+                          "--max-model-len", "2048")
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": shared["prompt_b"], "max_tokens": MAX_TOKENS,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_BLOCKS * BS
+        want_text = llm_fp32.get_tokenizer().decode(list(shared["want"][0]))
+        assert body["choices"][0]["text"] == want_text
+        assert metrics(server.url)["llmserve:kv_store_hits_total"] == PREFIX_BLOCKS * BS
+    finally:
+        assert stop_server(server) == 0, server.log()

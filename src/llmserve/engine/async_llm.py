@@ -240,6 +240,9 @@ class AsyncLLM:
             self._cv.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        store = getattr(self.engine, "kv_store", None)
+        if store is not None:  # finish the queued KV store writes
+            store.close()
 
     # ------------------------------------------------------------------ internals
     def _submit_abort(self, request_ids: list[str], keep_streams: bool = False) -> None:
@@ -380,6 +383,7 @@ class AsyncLLM:
             max_batch_size_seen=st.max_batch_size_seen,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
+            kv_store_hits_total=st.kv_store_hits_total,
             spec_decoding=(self.engine.spec_decoding_stats.as_dict()
                            if self.engine.spec_decoding_stats is not None else None))
         if not self.stat_loggers:

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"LLMSKV01"
 _HLEN = struct.Struct("<I")
 _DIGEST_LEN = 16
+PAUSE_AFTER_ERROR_S = 10.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -186,7 +187,7 @@ class RedisKVStore:
                                                                 "unix://")):
                 raise ValueError(f"kv_store must be a redis://HOST:PORT/DB URL, got {url!r}")
             try:
-                client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+                client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
             except ValueError as e:
                 raise ValueError(f"kv_store: bad Redis URL {url!r}: {e}") from None
         try:
@@ -202,6 +203,7 @@ class RedisKVStore:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
         self._closed = False
         self._last_error_log = 0.0
+        self._lookups_paused_until = 0.0  # after a Redis error: lookups skip Redis a while
         self._thread = threading.Thread(target=self._writer, name="kv-store-writer",
                                         daemon=True)
         self._thread.start()
@@ -211,6 +213,8 @@ class RedisKVStore:
         """Bodies of the longest run of ``block_hashes`` found valid in Redis, in order
         (a chained-hash prefix: the first missing or invalid block ends it)."""
         found: list[memoryview] = []
+        if time.monotonic() < self._lookups_paused_until:
+            return found  # Redis failed recently: do not stall admissions on it
         for i in range(0, len(block_hashes), self.lookup_batch):
             batch = block_hashes[i:i + self.lookup_batch]
             self.stats.lookups += len(batch)
@@ -218,6 +222,7 @@ class RedisKVStore:
                 values = self.client.mget([block_key(self.layout, h) for h in batch])
             except self._redis_error as e:
                 self._error("lookup", e)
+                self._lookups_paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
                 return found
             for h, value in zip(batch, values):
                 body = decode_block(self.layout, h, value)

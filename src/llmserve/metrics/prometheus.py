@@ -16,6 +16,7 @@ llmserve:generation_tokens_total           counter    generated tokens
 llmserve:num_preemptions_total             counter    preemptions (recompute or swap)
 llmserve:prefix_cache_queries_total        counter    prompt tokens looked up in the prefix cache
 llmserve:prefix_cache_hits_total           counter    prompt tokens found in the prefix cache
+llmserve:kv_store_hits_total               counter    prompt tokens loaded from the shared KV store
 llmserve:request_success_total             counter    finished requests, by ``finished_reason``
                                                       (stop, length, abort)
 llmserve:time_to_first_token_seconds       histogram  arrival -> first token (TTFT)
@@ -93,6 +94,9 @@ class PrometheusStatLogger:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.")
+        self.kv_store_hits = counter("kv_store_hits",
+                                     "Prompt tokens loaded from the shared KV store.")
+        self._last_kv_store_hits = 0
         self._success = Counter(PREFIX + "request_success", "Finished requests.",
                                 ["model_name", "finished_reason"], registry=reg)
         for reason in ("stop", "length", "abort"):
@@ -140,6 +144,9 @@ class PrometheusStatLogger:
                 self.prefix_queries.inc(queries - self._last_prefix[0])
                 self.prefix_hits.inc(hits - self._last_prefix[1])
                 self._last_prefix = (queries, hits)
+            if snap.kv_store_hits_total > self._last_kv_store_hits:
+                self.kv_store_hits.inc(snap.kv_store_hits_total - self._last_kv_store_hits)
+                self._last_kv_store_hits = snap.kv_store_hits_total
             if snap.spec_decoding is not None:
                 self._record_spec(snap.spec_decoding)
             if stats.step_num_reqs:

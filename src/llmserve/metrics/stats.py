@@ -30,6 +30,7 @@ class EngineStatsSnapshot:
         max_batch_size_seen: most requests scheduled in one step since start.
         prefix_cache_queries_total: prompt tokens looked up in the prefix cache.
         prefix_cache_hits_total: prompt tokens found there (monotonic).
+        kv_store_hits_total: prompt tokens loaded from the shared KV store (``--kv-store``).
         spec_decoding: speculative-decoding counters since start
             (``SpecDecodingStats.as_dict()``), None when speculation is off.
     """
@@ -42,6 +43,7 @@ class EngineStatsSnapshot:
     max_batch_size_seen: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    kv_store_hits_total: int = 0
     spec_decoding: dict | None = None
 
 

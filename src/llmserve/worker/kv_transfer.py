@@ -14,6 +14,7 @@ fetched from the store into freshly allocated blocks before the forward pass.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -21,12 +22,13 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """A CPU copy of blocks ``block_ids``: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``."""
-    device = kv_caches[0][0].device
-    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
-    # [num_layers, 2, n, block_size, kv_heads, head_dim]
-    stacked = torch.stack([torch.stack((kc.index_select(0, idx), vc.index_select(0, idx)))
-                           for kc, vc in kv_caches])
-    return stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    kc0 = kv_caches[0][0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kc0.device)
+    out = torch.empty((len(block_ids), len(kv_caches), 2, *kc0.shape[1:]), dtype=kc0.dtype)
+    for layer, (kc, vc) in enumerate(kv_caches):
+        out[:, layer, 0].copy_(kc.index_select(0, idx))
+        out[:, layer, 1].copy_(vc.index_select(0, idx))
+    return out
 
 
 def block_bodies(blocks: torch.Tensor) -> list[memoryview]:
@@ -46,9 +48,11 @@ def fill_blocks(kv_caches: KVCaches, bodies: list, block_ids: list[int]) -> None
     nbytes = len(kv_caches) * 2 * block_shape.numel() * kc0.element_size()
     if any(len(b) != nbytes for b in bodies):
         raise ValueError(f"kv store block is not {nbytes} bytes")
-    buf = bytearray(b"".join(bodies))
+    buf = np.empty((len(bodies), nbytes), dtype=np.uint8)  # one copy out of the bodies
+    for row, body in zip(buf, bodies):
+        row[:] = np.frombuffer(body, dtype=np.uint8)
     # [n, num_layers, 2, block_size, kv_heads, head_dim]
-    blocks = torch.frombuffer(buf, dtype=kc0.dtype).view(
+    blocks = torch.from_numpy(buf).view(kc0.dtype).view(
         len(bodies), len(kv_caches), 2, *block_shape).to(kc0.device)
     idx = torch.tensor(block_ids, dtype=torch.long, device=kc0.device)
     for layer, (kc, vc) in enumerate(kv_caches):
