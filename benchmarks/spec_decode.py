@@ -122,7 +122,7 @@ def run_llama_cpp(args, prompts: list[str]) -> dict:
                     verbose=False, draft_model=draft, seed=0)
         llm.create_completion(prompts[0], max_tokens=4, temperature=0.0)  # warm-up
         rates = []
-        for p in prompts:
+        for p in prompts[:args.llama_cpp_prompts]:
             t0 = time.perf_counter()
             r = llm.create_completion(p, max_tokens=args.new_tokens, temperature=0.0)
             rates.append(r["usage"]["completion_tokens"] / (time.perf_counter() - t0))
@@ -146,6 +146,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--llama-cpp-prompts", type=int, default=1,
+                    help="prompts of each set llama.cpp runs (batch 1, one at a time)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     args.target = args.target or fetch_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
