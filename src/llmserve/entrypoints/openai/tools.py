@@ -120,11 +120,13 @@ def prepare_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
             text_msgs.append(msg)
             continue
         if msg.get("role") == "assistant" and msg.get("tool_calls"):
+            fns = [c["function"] for c in msg["tool_calls"]
+                   if isinstance(c, dict) and isinstance(c.get("function"), dict)]
             blocks = "\n".join(
-                "<tool_call>\n" + json.dumps({"name": c.get("function", {}).get("name"),
-                                              "arguments": c.get("function", {}).get(
-                                                  "arguments")}, ensure_ascii=False)
-                + "\n</tool_call>" for c in msg["tool_calls"] if isinstance(c, dict))
+                "<tool_call>\n" + json.dumps({"name": fn.get("name"),
+                                              "arguments": fn.get("arguments")},
+                                             ensure_ascii=False) + "\n</tool_call>"
+                for fn in fns)
             content = msg.get("content") or ""
             msg = {"role": "assistant", "content": (content + "\n" if content else "") + blocks}
         elif msg.get("role") == "tool":
