@@ -39,7 +39,7 @@ LARK = 'start: greeting " " name "!"\ngreeting: "hello" | "hi"\nname: /[a-z]{2,8
 LARK_RE = r"(hello|hi) [a-z]{2,8}!"
 EBNF = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
 EBNF_RE = r"\([1-9][0-9]?(,[1-9][0-9]?)*\)"
-SEEDS = range(4)
+SEEDS = range(2)
 
 
 class City(pydantic.BaseModel):
@@ -49,6 +49,7 @@ class City(pydantic.BaseModel):
     is_capital: bool
 
 
+NUM_STREAMED = 4
 PROMPTS = [f"Tell me about {c} as JSON." for c in (
     "Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Quito", "Seoul", "Accra",
     "a small town", "the biggest city you know", "your favourite city", "Berlin", "Madrid",
@@ -58,7 +59,7 @@ PROMPTS = [f"Tell me about {c} as JSON." for c in (
 def _sampled(**so):
     from llmserve import SamplingParams, StructuredOutputsParams
 
-    return [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
+    return [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
                            structured_outputs=StructuredOutputsParams(**so)) for s in SEEDS]
 
 
@@ -127,10 +128,10 @@ def test_openai_parse_with_pydantic_model(server):
 
     async def run_all():
         return await asyncio.gather(*[parse(p, i) for i, p in enumerate(PROMPTS)],
-                                    *[stream(p, i) for i, p in enumerate(PROMPTS)])
+                                    *[stream(p, i) for i, p in enumerate(PROMPTS[:NUM_STREAMED])])
 
     results = asyncio.run(run_all())
-    assert len(results) == 2 * len(PROMPTS)
+    assert len(results) == len(PROMPTS) + NUM_STREAMED
     for r in results:
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "stop"

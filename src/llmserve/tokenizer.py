@@ -154,7 +154,7 @@ def _message_content(i: int, msg: dict[str, Any]) -> str:
                          f"got {type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': "
                              f"...}}, got type {kind!r} (only text is supported)")

@@ -45,7 +45,8 @@ _PROMPT_SCHEMA = {"anyOf": [
      "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
 ]}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
-              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+              "properties": {"type": {"enum": ["text", "input_text"]},
+                             "text": {"type": "string"}}}
 _MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
     "type": "object", "required": ["role"],
     "properties": {
@@ -167,6 +168,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = _doc(minimum=0, maximum=20)  # needs logprobs=true
     tools: list[dict[str, Any]] | None = None  # handed to the chat template
+    tool_choice: str | dict[str, Any] | None = None  # none / auto / required / a function
+    parallel_tool_calls: bool | None = None  # default true
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # needs add_generation_prompt=false
     chat_template: str | None = _doc(minLength=1, description=(
@@ -272,9 +275,36 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """A streamed tool call: the first delta of call ``index`` carries its id, type and
+    name; ``arguments`` pieces concatenate (OpenAI's chunk format)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(ResponseModel):
@@ -301,11 +331,15 @@ class DeltaMessage(ResponseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content))
-                if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content))
+                               if v is not None}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [t.model_dump(exclude_none=True) for t in self.tool_calls]
+        return out
 
 
 class ChatCompletionStreamChoice(ResponseModel):

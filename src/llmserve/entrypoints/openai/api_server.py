@@ -50,6 +50,7 @@ from llmserve.entrypoints.openai.middleware import (
     RequestBodyLimitMiddleware,
 )
 from llmserve.entrypoints.openai.openapi import install_openapi, responses
+from llmserve.entrypoints.openai.request_id import RequestIdMiddleware
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
@@ -79,7 +80,9 @@ class ServerState:
     """What the routes share. ``ready`` is set last, after every handler exists."""
 
     def __init__(self, served_model_names: Sequence[str], max_waiting_requests: int | None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 tool_call_parser: str | None = "hermes"):
+        self.tool_call_parser = tool_call_parser
         self.served_model_names = list(served_model_names)
         self.max_waiting_requests = max_waiting_requests
         self.trust_request_chat_template = trust_request_chat_template
@@ -98,7 +101,8 @@ class ServerState:
                 self.tokenizer_executor)
         self.completion = OpenAIServingCompletion(*args)
         self.chat = OpenAIServingChat(
-            *args, trust_request_chat_template=self.trust_request_chat_template)
+            *args, trust_request_chat_template=self.trust_request_chat_template,
+            tool_call_parser=self.tool_call_parser)
         self.engine = engine
         self.ready = True
 
@@ -162,7 +166,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               public_metrics: bool = False,
               trust_request_chat_template: bool = False,
-              batch_dir: str | None = None) -> FastAPI:
+              batch_dir: str | None = None,
+              tool_call_parser: str | None = "hermes") -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
@@ -173,13 +178,15 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         max_request_body_bytes: a larger request body is a 413, before it is parsed.
         public_metrics: with ``api_key``, leave ``/metrics`` open (for a scraper).
         trust_request_chat_template: let chat requests bring their own chat template.
+        tool_call_parser: reads ``tool_choice: auto`` outputs (``tool_parsers.py``; None: off).
         on_load_failure: called (from the loader thread) when loading fails, e.g. to
             stop the server; ``app.state.server.exit_code`` is then 1.
         on_ready: called (from the loader thread) once the engine runs.
         batch_dir: where the Batch API keeps files and batches (None: a temporary
             directory; see :mod:`llmserve.entrypoints.batch.api`).
     """
-    state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template)
+    state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template,
+                        tool_call_parser)
 
     def load() -> None:
         try:
@@ -205,6 +212,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outside the limit: a 413 carries the id too
     if api_key:  # added last = outermost: a request without the key is never read
         open_paths = ("/health", *DASHBOARD_PATHS)
         if public_metrics:

@@ -65,6 +65,13 @@ def register(subparsers) -> None:
                    help="let chat requests replace the model's chat template (`chat_template` "
                         "or `chat_template_kwargs.chat_template`; still sandboxed and "
                         "bounded); without it such requests are a 400, as in vLLM")
+    p.add_argument("--tool-call-parser", default="hermes",
+                   choices=["hermes", "llama3_json", "mistral", "none"],
+                   help="how tool_choice=auto outputs are read into tool_calls (default "
+                        "hermes: <tool_call> JSON, Qwen2.5 and ChatML models; none: off)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility (auto tool choice is on whenever "
+                        "--tool-call-parser is set)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that requests in flight may take to finish after SIGTERM "
                         "before they are aborted (default 30)")
@@ -193,7 +200,9 @@ def run_server(args: argparse.Namespace) -> int:
                     public_metrics=args.allow_unauthenticated_metrics,
                     on_load_failure=on_failure, on_ready=on_ready,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    batch_dir=args.batch_dir)
+                    batch_dir=args.batch_dir,
+                    tool_call_parser=(None if args.tool_call_parser == "none"
+                                      else args.tool_call_parser))
     config = uvicorn.Config(app, host=host, port=port, log_level=level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S,

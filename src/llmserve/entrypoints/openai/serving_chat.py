@@ -33,6 +33,18 @@ from llmserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnect,
 )
+from llmserve.entrypoints.openai.tool_parsers import (
+    ParsedToolCall,
+    StreamingToolCalls,
+    ToolParser,
+    tool_parser_names,
+)
+from llmserve.entrypoints.openai.tools import (
+    constrained_output,
+    output_parser,
+    prepare_messages,
+    validate_tools,
+)
 from llmserve.outputs import SampleLogprobs
 from llmserve.protocol.openai import (
     ChatCompletionLogProbs,
@@ -43,7 +55,11 @@ from llmserve.protocol.openai import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     usage_info,
 )
@@ -88,8 +104,13 @@ class OpenAIServingChat(OpenAIServing):
             ``--trust-request-chat-template``; otherwise such a request is a 400.
     """
 
-    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs) -> None:
+    def __init__(self, *args, trust_request_chat_template: bool = False,
+                 tool_call_parser: str | None = "hermes", **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if tool_call_parser is not None and tool_call_parser not in tool_parser_names():
+            raise ValueError(f"tool_call_parser must be one of {tool_parser_names()}, got "
+                             f"{tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser  # reads tool_choice=auto outputs
         self.trust_request_chat_template = trust_request_chat_template
         self.template_limits = RenderLimits(
             max_chars=max(DEFAULT_MAX_RENDERED_CHARS, 32 * self.engine.max_model_len))
@@ -129,8 +150,11 @@ class OpenAIServingChat(OpenAIServing):
         :meth:`render_prompt`). Raises APIError 400 for bad messages, a refused or
         failing template, or template variables that are not plain JSON values."""
         source, param, kwargs = self._template_args(req)
+        template_text = source if source is not None else str(
+            getattr(self.tokenizer, "chat_template", "") or "")
+        messages = prepare_messages(req.messages, req.tools, "tools" in template_text)
         try:
-            return apply_chat_template(self.tokenizer, req.messages,
+            return apply_chat_template(self.tokenizer, messages,
                                        add_generation_prompt=req.add_generation_prompt,
                                        tools=req.tools, chat_template=source,
                                        limits=self.template_limits, **kwargs)
@@ -154,13 +178,24 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"{req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
+        mode, fn_name = validate_tools(req.tools, req.tool_choice)
+        parallel = req.parallel_tool_calls is not False
+        structured = constrained_output(req.tools or [], mode, fn_name, parallel)
+        if structured is not None and (req.response_format is not None and
+                                       req.response_format.type != "text"
+                                       or req.guided_json or req.guided_regex
+                                       or req.guided_choice or req.guided_grammar):
+            raise bad_request("tool_choice required or a named function cannot be combined "
+                              "with another structured-output constraint", "tool_choice")
+        parser = output_parser(mode, fn_name, self.tool_call_parser)
+        max_calls = None if parallel else 1
         self.check_capacity(req.n)
         prompt_ids = await self.render_prompt(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                      else req.max_tokens)
         params = self.sampling_params(req, self.check_length(len(prompt_ids), requested, field),
-                                      num_top)
+                                      num_top, structured=structured)
         request_id = random_id("chatcmpl")
         prompt = PromptInput(prompt_ids, cache_salt=req.cache_salt)
         streams = await self.start(request_id, [(prompt, params)], req.n, req.priority)
@@ -169,7 +204,10 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(request_id, model, created, streams, len(prompt_ids), num_top,
-                             include_usage), media_type="text/event-stream")
+                             include_usage, parser, max_calls,
+                             bool(req.stream_options and
+                                  req.stream_options.continuous_usage_stats)),
+                media_type="text/event-stream")
         try:
             finals = await until_disconnect(raw_request, collect(streams))
         except asyncio.CancelledError:
@@ -185,9 +223,16 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.token_bytes)
+            content, calls = c.text, []
+            if parser is not None:
+                content, calls = parser.extract(c.text)
+                calls = calls[:max_calls]
             choices.append(ChatCompletionResponseChoice(
-                index=i, message=ChatMessage(content=c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=i, message=ChatMessage(content=content, tool_calls=[
+                    ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                    for t in calls] or None), logprobs=logprobs,
+                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                stop_reason=c.stop_reason))
         num_prompt = len(prompt_ids)
         resp = ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
@@ -198,14 +243,21 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request_id: str, model: str, created: int,
                       streams: list[RequestStream], num_prompt: int, num_top: int | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, parser: ToolParser | None = None,
+                      max_calls: int | None = None, continuous_usage: bool = False
+                      ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+            if continuous_usage and include_usage and usage is None and choices:
+                usage = usage_info(num_prompt, num_generated, cached)
             return sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices,
                 usage=usage).model_dump_json())
 
         num_generated = 0
         cached = 0
+        tool_streams = [StreamingToolCalls(parser, max_calls) if parser is not None else None
+                        for _ in streams]
+        num_calls = [0] * len(streams)
         try:
             for i in range(len(streams)):  # OpenAI: the role first, with empty content
                 yield chunk([ChatCompletionStreamChoice(
@@ -218,11 +270,25 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if num_top is not None and c.logprobs:
                     logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.token_bytes)
-                if not c.text and logprobs is None and c.finish_reason is None:
-                    continue  # held back (stop-string buffer or an unfinished character)
+                text, calls = c.text, []
+                ts = tool_streams[i]
+                if ts is not None:
+                    text, calls = ts.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_text, more_calls = ts.finish()
+                        text, calls = text + more_text, calls + more_calls
+                if not text and not calls and logprobs is None and c.finish_reason is None:
+                    continue  # held back (stop-string buffer, unfinished character, tool call)
+                deltas = None
+                if calls:
+                    deltas = [_delta_call(num_calls[i] + k, t) for k, t in enumerate(calls)]
+                    num_calls[i] += len(calls)
+                finish = c.finish_reason
+                if finish is not None:
+                    finish = _finish_reason(finish, num_calls[i] > 0)
                 yield chunk([ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(content=c.text or None), logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    index=i, delta=DeltaMessage(content=text or None, tool_calls=deltas),
+                    logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)])
             if include_usage:
                 yield chunk([], usage_info(num_prompt, num_generated, cached))
         except Exception as e:  # the 200 header is out: report in-band, as vLLM does
@@ -231,3 +297,13 @@ class OpenAIServingChat(OpenAIServing):
             for s in streams:
                 s.abort()
         yield "data: [DONE]\n\n"
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI: ``tool_calls`` when the model called tools and stopped on its own."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def _delta_call(index: int, call: ParsedToolCall) -> DeltaToolCall:
+    return DeltaToolCall(index=index, id=call.id, type="function",
+                         function=DeltaFunctionCall(name=call.name, arguments=call.arguments))

@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from llmserve.engine.async_llm import RequestStream
 from llmserve.entrypoints.openai.serving_engine import (
     LOGPROB_FLOOR,
+    MAX_N,
     APIError,
     OpenAIServing,
     PromptInput,
@@ -129,9 +130,13 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.model_name(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request(f"best_of must be omitted or equal n ({req.n}), got "
-                              f"{req.best_of}", "best_of")
+        best_of = req.best_of if req.best_of is not None else req.n
+        if not req.n <= best_of <= MAX_N:
+            raise bad_request(f"best_of must be in [n ({req.n}), {MAX_N}], got {best_of}",
+                              "best_of")
+        if best_of > req.n and req.stream:
+            raise bad_request("best_of > n cannot be streamed (OpenAI); drop stream or best_of",
+                              "best_of")
         echo_only = req.max_tokens == 0  # score the prompt, generate nothing (lm-eval)
         if echo_only and not req.echo:
             raise bad_request("max_tokens must be >= 1 (0 only with echo=true)", "max_tokens")
@@ -140,14 +145,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo_lp is not None and req.prompt_logprobs is not None:
             echo_lp = max(echo_lp, req.prompt_logprobs)
         single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
-        self.check_capacity(req.n * (1 if single else max(len(req.prompt), 1)))
+        self.check_capacity(best_of * (1 if single else max(len(req.prompt), 1)))
         prompts = await self.run_tokenizer(self._prompts, req.prompt)
         for p in prompts:
             p.cache_salt = req.cache_salt
+        # best_of ranks candidates by cumulative logprob, which needs logprobs
+        logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
         jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), max_tokens),
-                                         req.logprobs, echo_lp)) for p in prompts]
+                                         logprobs, echo_lp)) for p in prompts]
         request_id = random_id("cmpl")
-        streams = await self.start(request_id, jobs, req.n, req.priority)
+        streams = await self.start(request_id, jobs, best_of, req.priority)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -162,15 +169,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             for s in streams:
                 s.abort()
+        num_generated = sum(len(out.outputs[0].token_ids) for out in finals)
+        cached = sum(out.num_cached_tokens for out in finals[::best_of])  # once per prompt
+        if best_of > req.n:  # OpenAI best_of: the n of best_of with the highest logprob
+            finals = [out for p in range(len(prompts)) for out in sorted(
+                finals[p * best_of:(p + 1) * best_of],
+                key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:req.n]]
         choices = []
-        num_generated = 0
         for i, out in enumerate(finals):
             c = out.outputs[0]
             prompt = prompts[i // req.n]
             gen_ids, gen_lps, text = c.token_ids, c.logprobs, c.text
             if echo_only:
                 gen_ids, gen_lps, text = [], [], ""
-            num_generated += len(gen_ids)
             prefix = await self._prompt_text(prompt) if req.echo else ""
             logprobs = None
             if req.logprobs is not None and gen_lps is not None:
@@ -187,8 +198,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 stop_reason=None if echo_only else c.stop_reason,
                 prompt_logprobs=(prompt_logprobs_json(out.prompt_logprobs)
                                  if req.prompt_logprobs is not None else None)))
+        if echo_only:
+            num_generated = 0
         num_prompt = sum(len(p.token_ids) for p in prompts)
-        cached = sum(out.num_cached_tokens for out in finals[::req.n])  # once per prompt
         resp = CompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
             usage=usage_info(num_prompt, num_generated, cached))
@@ -230,8 +242,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = gen if logprobs is None else _concat(logprobs, gen)
                 if not text and logprobs is None and c.finish_reason is None:
                     continue  # held back (stop-string buffer or an unfinished character)
+                usage = None
+                if include_usage and req.stream_options.continuous_usage_stats:
+                    usage = usage_info(sum(len(p.token_ids) for p in prompts), num_generated,
+                                       sum(cached))
                 chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[
+                    id=request_id, created=created, model=model, usage=usage, choices=[
                         CompletionResponseChoice(
                             index=i, text=text, logprobs=logprobs,
                             finish_reason=("length" if echo_only and c.finish_reason
