@@ -173,3 +173,22 @@ def test_server_guided_extras_and_response_format(server):
             timeout=60)
         assert resp.status_code == 400, (body, resp.text)
         assert resp.json()["error"]["param"] == param, (body, resp.text)
+
+
+def test_bitmask_applies_to_listed_rows_only():
+    """xgrammar's bit layout (bit t % 32 of word t // 32); unlisted rows untouched."""
+    import torch
+
+    from llmserve.layers.sampler import apply_token_bitmask
+    from llmserve.structured_output import allocate_bitmask
+
+    logits = torch.randn(4, 100)
+    bitmask = allocate_bitmask(2, 100)
+    bitmask[:] = 0
+    bitmask[0, 0] = 1 << 5  # row 1 of the batch allows token 5 only
+    bitmask[1, 3] = 1 << 2  # row 3 allows token 98 only
+    out = apply_token_bitmask(logits, bitmask, torch.tensor([1, 3]))
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.isfinite(out[1]).sum() == 1 and out[1, 5] == logits[1, 5]
+    assert torch.isfinite(out[3]).sum() == 1 and out[3, 98] == logits[3, 98]
+    assert torch.equal(apply_token_bitmask(logits[[1, 3]], bitmask), out[[1, 3]])

@@ -56,8 +56,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # largest `logprobs` in the batch, None if no row asks
     # (rows, ids, biases) of rows with a logit_bias, None when no row has one
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # [B, ceil(V / 32)] int32 allowed-token bits (structured outputs), None when unused
+    # [R, ceil(V / 32)] int32 allowed-token bits (structured outputs) of rows
+    # token_bitmask_rows ([R] int64; None: all B rows), None when unused
     token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,9 +175,16 @@ def build_sampling_metadata(
     )
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where the bit of a token is 0: ``bitmask`` ``[B, ceil(V / 32)]`` int32, bit
-    ``t % 32`` of word ``t // 32`` for token ``t`` (xgrammar's layout). New tensor."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
+    """-inf where the bit of a token is 0: ``bitmask`` ``[R, ceil(V / 32)]`` int32, bit
+    ``t % 32`` of word ``t // 32`` for token ``t`` (xgrammar's layout), for the rows
+    ``rows`` (``[R]`` int64) of ``logits`` or all of them. New tensor; the cost is
+    proportional to the constrained rows only."""
+    if rows is not None:
+        rows = rows.to(logits.device)
+        return logits.index_copy(0, rows, apply_token_bitmask(logits.index_select(0, rows),
+                                                              bitmask))
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(logits.device, non_blocking=True)
     allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().reshape(words.shape[0], -1)
@@ -359,7 +368,8 @@ class Sampler(torch.nn.Module):
         """
         logits = logits.to(torch.float32)
         if metadata.token_bitmask is not None:
-            logits = apply_token_bitmask(logits, metadata.token_bitmask)
+            logits = apply_token_bitmask(logits, metadata.token_bitmask,
+                                         metadata.token_bitmask_rows)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)

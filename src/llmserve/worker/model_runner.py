@@ -249,10 +249,11 @@ class ModelRunner:
             self.eos_token_ids, self.vocab_size, self.device)
         grammar_rows = [i for i, s in enumerate(sample_states) if s.grammar is not None]
         if grammar_rows:  # structured outputs: each row's allowed next tokens
-            bitmask = allocate_bitmask(len(sample_states), self.vocab_size)
-            for i in grammar_rows:
-                sample_states[i].grammar.fill_bitmask(bitmask, i)
+            bitmask = allocate_bitmask(len(grammar_rows), self.vocab_size)
+            for k, i in enumerate(grammar_rows):
+                sample_states[i].grammar.fill_bitmask(bitmask, k)
             metadata.token_bitmask = bitmask
+            metadata.token_bitmask_rows = torch.tensor(grammar_rows, dtype=torch.long)
         sampler_out = self.sampler(logits, metadata)
         tokens = sampler_out.sampled_token_ids.tolist()
         lp_ids = lps = ranks = None
