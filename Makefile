@@ -38,7 +38,7 @@ generate: setup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
