@@ -6,11 +6,13 @@ with 15 others, arriving while others decode (mixed prefill + decode steps),
 chunked at other boundaries, or reusing cached prefix blocks must give the same
 token ids and the same logprobs, bit for bit.
 
-* default format (bfloat16, ``gguf-hybrid``): batching and arrival order change
-  nothing (chunking and cache hits may: the prefill attention's summation order
-  depends on the chunk);
-* ``--deterministic``: batching, arrival order, chunking and prefix-cache hits
-  change nothing.
+* default format (bfloat16, ``gguf-hybrid``): batching, arrival order, prefill
+  chunking and prefix-cache hits change nothing (decode rows always through the
+  packed kernels; prompt rows, a one-token prompt chunk included, through the dense
+  copy and the prefill attention's fixed 32-row tiles). Not covered: a token
+  computed once as a decode and later as a prompt token (recompute after
+  preemption, a reply sent back as the next prompt) takes the other path;
+* ``--deterministic``: all of the above, and that too (every token one decode).
 """
 
 from __future__ import annotations
@@ -81,31 +83,32 @@ def _diverging(got: list[tuple], want: list[tuple]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def default_engine():
+def default_llm():
     """The default format (bfloat16, gguf-hybrid), prefix cache off, a step budget that
     takes every prompt whole."""
     from llmserve import LLM
 
-    engine = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
-                 enable_prefix_caching=False).engine
-    assert engine.runner.model.model.layers[0].mlp.down_proj.quant_method.config.name == \
-        "gguf-hybrid"
-    return engine
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512,
+              enable_prefix_caching=False)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quant_method.config.name \
+        == "gguf-hybrid"
+    return llm
 
 
 @pytest.mark.model
-def test_default_format_greedy_output_is_batch_invariant(default_engine):
+def test_default_format_greedy_output_is_batch_invariant(default_llm):
     """16 prompts alone vs batched vs arriving one per step beside running decodes.
 
     Before the fix (gguf-hybrid chose int4 or dense by the step's token count):
     11 of 16 diverged batched (issue 20)."""
-    alone = _alone(default_engine, PROMPTS)
-    assert _diverging(_run(default_engine, PROMPTS), alone) == []
-    assert _diverging(_run(default_engine, PROMPTS, stagger=True), alone) == []
+    engine = default_llm.engine
+    alone = _alone(engine, PROMPTS)
+    assert _diverging(_run(engine, PROMPTS), alone) == []
+    assert _diverging(_run(engine, PROMPTS, stagger=True), alone) == []
 
 
 @pytest.mark.model
-def test_default_format_greedy_output_ignores_prefix_cache_and_chunking(default_engine):
+def test_default_format_greedy_output_ignores_prefix_cache_and_chunking(default_llm):
     """Default format: 16 prompts (half behind the shared 3-block prefix) give the same
     tokens and logprobs computed whole (cache off, one step) as chunked by a 40-token
     budget, with the prefix cache hit, and with every full block cached (prompts of
@@ -114,14 +117,14 @@ def test_default_format_greedy_output_ignores_prefix_cache_and_chunking(default_
     Before the fixed prefill tiles (issue 20), measured on these prompts: 14 of 16
     differed chunked, 12 of 16 with cache hits, 15 of 16 fully cached (the prefill
     SDPA's summation order followed the chunk's query and key lengths)."""
-    from llmserve import LLM
+    from tests.conftest import engine_variant
 
     prompts = [PREFIX + p if i % 2 else p for i, p in enumerate(PROMPTS)]
     prompts[10] += ","  # 17 tokens
     prompts[11] = PREFIX + "Write a short story about a cat. Once upon a time,"  # 65
-    want = _run(default_engine, prompts)  # each prompt whole, in one step
-    engine = LLM(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512,
-                 max_num_batched_tokens=40).engine
+    want = _run(default_llm.engine, prompts)  # each prompt whole, in one step
+    engine = engine_variant(default_llm, scheduler={"max_num_batched_tokens": 40},
+                            cache={"enable_prefix_caching": True}).engine  # same weights
     assert engine.config.cache_config.enable_prefix_caching
     cached_salted, cached_warm, cached_full = [], [], []
     salts = [f"salt-{i}" for i in range(len(prompts))]

@@ -67,6 +67,8 @@ class CpuAttentionMetadata:
     sliding_window: int | None
     # prefill group: one entry per prefill sequence, in token order
     prefills: list[PrefillSeq]
+    # the prefills' step-wide gather indices (None when num_prefills == 0)
+    prefill_index: PrefillIndex | None = None
     # the step's common metadata: layers with their own window derive (once per step
     # and window, see for_window) the variant with that window's masks
     common: CommonAttentionMetadata | None = None
@@ -105,7 +107,8 @@ class CpuAttentionMetadata:
                                        self.decode_seq_lens, self.decode_mask,
                                        self.sliding_window, [])
         prefills = CpuAttentionMetadata(self.slot_mapping[nd:], 0, self.num_prefills, None,
-                                        None, None, self.sliding_window, self.prefills)
+                                        None, None, self.sliding_window, self.prefills,
+                                        self.prefill_index)
         decodes.split_of, prefills.split_of = (self, 0), (self, 1)
         return decodes, prefills
 
@@ -141,6 +144,22 @@ class PrefillSeq:
     num_rows: int
     block_table: torch.Tensor  # [1, num_blocks] int64
     tiles: list[PrefillTile]
+    row_base: int = 0  # its first tile row in the step's padded query rows
+    key_base: int = 0  # its first key in the step's gathered K/V
+
+
+@dataclass
+class PrefillIndex:
+    """All prefills of a step gathered at once (one op each per layer, not per prefill).
+
+    ``rows`` picks the padded query rows from ``[prefill tokens | one zero row]``;
+    ``block_table`` lists every prefill's blocks in turn; ``outputs`` picks each token's
+    row from the tiles' outputs concatenated in order.
+    """
+
+    rows: torch.Tensor  # [total_tile_rows] int64
+    block_table: torch.Tensor  # [1, total_blocks] int64
+    outputs: torch.Tensor  # [num_prefill_tokens] int64
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -202,11 +221,32 @@ def _build_prefills(common: CommonAttentionMetadata, window: int | None) -> list
     return prefills
 
 
+def _build_prefill_index(prefills: list[PrefillSeq], block_size: int) -> PrefillIndex:
+    """Set each prefill's ``row_base`` / ``key_base``; the step's gather indices."""
+    num_tokens = prefills[-1].token_end if prefills else 0
+    rows, outputs = [], []
+    row_base = key_base = 0
+    for p in prefills:
+        p.row_base, p.key_base = row_base, key_base
+        n = p.token_end - p.token_start
+        row = torch.full((p.num_rows,), num_tokens, dtype=torch.int64)  # the zero row
+        row[p.row_offset:p.row_offset + n] = torch.arange(p.token_start, p.token_end)
+        rows.append(row)
+        outputs.append(torch.arange(n) + row_base + p.row_offset)
+        row_base += p.num_rows
+        key_base += p.block_table.shape[1] * block_size
+    device = prefills[0].block_table.device
+    return PrefillIndex(torch.cat(rows).to(device),
+                        torch.cat([p.block_table for p in prefills], 1),
+                        torch.cat(outputs).to(device))
+
+
 def _build_metadata(common: CommonAttentionMetadata) -> CpuAttentionMetadata:
     window = common.sliding_window
     num_decodes = common.num_decodes
     num_prefills = common.num_seqs - num_decodes
     decode_block_table = decode_seq_lens = None
+    prefills = _build_prefills(common, window) if num_prefills else []
     if num_decodes:
         num_blocks = _ceil_div(max(common.seq_lens_list[:num_decodes]), common.block_size)
         decode_block_table = common.block_table[:num_decodes, :num_blocks]
@@ -215,7 +255,8 @@ def _build_metadata(common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         slot_mapping=common.slot_mapping, num_decodes=num_decodes,
         num_prefills=num_prefills, decode_block_table=decode_block_table,
         decode_seq_lens=decode_seq_lens, decode_mask=None, sliding_window=window,
-        prefills=_build_prefills(common, window) if num_prefills else [], common=common)
+        prefills=prefills, prefill_index=_build_prefill_index(prefills, common.block_size)
+        if prefills else None, common=common)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -286,23 +327,19 @@ class CpuAttentionBackend(AttentionBackend):
         one SDPA call per tile, the same shapes and mask for a token wherever its chunk
         starts. (``key``/``value`` are in the cache already; they are read from there.)"""
         gqa = self.num_queries_per_kv > 1
-        prefills = metadata.prefills
-        output = None if len(prefills) == 1 else torch.empty_like(query)
-        for p in prefills:
-            n = p.token_end - p.token_start
-            # [1, H, num_rows, D]: the chunk's rows at their place in the tiles, zero padded
-            q = F.pad(query[p.token_start:p.token_end],
-                      (0, 0, 0, 0, p.row_offset, p.num_rows - p.row_offset - n))
-            q = q.transpose(0, 1)[None]
-            k = self._gather(key_cache, p.block_table)  # [1, Hkv, num_blocks * bs, D]
-            v = self._gather(value_cache, p.block_table)
-            outs = [F.scaled_dot_product_attention(
-                q[:, :, t.row_start:t.row_start + PREFILL_TILE], k[:, :, t.key_start:t.key_end],
-                v[:, :, t.key_start:t.key_end], attn_mask=t.mask, scale=self.scale,
-                enable_gqa=gqa) for t in p.tiles]  # each [1, H, PREFILL_TILE, D]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-            out = out[0, :, p.row_offset:p.row_offset + n].transpose(0, 1)  # [n, H, D]
-            if output is None:
-                return out
-            output[p.token_start:p.token_end] = out
-        return output
+        index = metadata.prefill_index
+        # [1, H, total_tile_rows, D]: every chunk's rows at their place in its tiles
+        q = F.pad(query, (0, 0, 0, 0, 0, 1)).index_select(0, index.rows).transpose(0, 1)[None]
+        k = self._gather(key_cache, index.block_table)  # [1, Hkv, total_keys, D]
+        v = self._gather(value_cache, index.block_table)
+        outs = []
+        for p in metadata.prefills:
+            for t in p.tiles:
+                rows, keys = p.row_base + t.row_start, p.key_base + t.key_start
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, :, rows:rows + PREFILL_TILE],
+                    k[:, :, keys:p.key_base + t.key_end], v[:, :, keys:p.key_base + t.key_end],
+                    attn_mask=t.mask, scale=self.scale, enable_gqa=gqa))  # [1, H, TILE, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+        # [num_prefill_tokens, num_heads, head_dim]
+        return out[0].transpose(0, 1).index_select(0, index.outputs)
