@@ -76,7 +76,12 @@ def load_trace(path: str) -> list[dict]:
 
 
 def plot(decisions, trace: list[dict], path: str, title: str) -> None:
-    import matplotlib
+    """Raises: ValueError: matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib, or the "
+                         "project's test/bench extra)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
