@@ -86,7 +86,10 @@ def test_config_audit_db_and_safety_build_the_adapters(tmp_path):
     assert h["audit"].redact == {"default": ["email"]}
     v = asyncio.run(h["safety"].check_input({"prompt": "to a@b.com"}, _ctx(team="any")))
     assert v.body == {"prompt": "to [EMAIL]"}
-    assert hooks_from_config(GatewayConfig(upstreams=("http://h",), redis_url="redis://x")) == {}
+    bare = hooks_from_config(GatewayConfig(upstreams=("http://h",), redis_url="redis://x"))
+    assert list(bare) == ["safety"]  # no audit; safety always (team policies at run time)
+    v = asyncio.run(bare["safety"].check_input({"prompt": "to a@b.com"}, _ctx(team="any")))
+    assert v.body is None and v.action == "allow"  # no policy anywhere: unchanged
 
     cfg.write_text("safety:\n  research: {output: [{check: nope}]}\n")
     with pytest.raises(ValueError, match=r"safety\.research: unknown safety check 'nope'"):

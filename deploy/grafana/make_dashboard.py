@@ -85,6 +85,10 @@ def build() -> dict:
              (f"rate(llmserve:prefix_cache_hits_total{M}[{RI}]) / "
               f"rate(llmserve:prefix_cache_queries_total{M}[{RI}])", "Prefix Cache Hit Rate")],
             "percentunit")
+    b.panel("Prompt Tokens From Caches", "Prompt tokens served by the local prefix cache "
+            "and loaded from the shared KV store (--kv-store) instead of computed.",
+            [(f"rate(llmserve:prefix_cache_hits_total{M}[{RI}])", "Prefix Cache"),
+             (f"rate(llmserve:kv_store_hits_total{M}[{RI}])", "KV Store")])
     b.panel("Inter-Token Latency", "Every gap between two output tokens.",
             quantiles("llmserve:inter_token_latency_seconds"), "s")
     b.panel("Finish Reason", "Finished requests per interval by reason (stop, length, "
