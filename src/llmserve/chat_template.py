@@ -304,16 +304,33 @@ def _compile(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
+MAX_TEMPLATE_DEPTH = 128  # nested template frames (macros calling macros)
+
+
 def _tracer(deadline: float):
+    """A trace function: the deadline on every template line, and a bound on nested
+    template frames. The bound is ours, far below Python's recursion limit: a traced
+    call runs on the C stack, and 1,000 traced jinja frames can overflow it (a crash,
+    not a RecursionError) when the caller's stack is already deep."""
+    depth = 0
+
     def local(frame: Any, event: str, arg: Any):
-        if event == "line" and time.monotonic() > deadline:
+        nonlocal depth
+        if event == "return":
+            depth -= 1
+        elif event == "line" and time.monotonic() > deadline:
             raise _RenderTimeout
         return local
 
     def on_call(frame: Any, event: str, arg: Any):
+        nonlocal depth
         if frame.f_code.co_filename == "<template>":  # jinja's compiled template code
             if time.monotonic() > deadline:
                 raise _RenderTimeout
+            depth += 1
+            if depth > MAX_TEMPLATE_DEPTH:
+                depth -= 1  # this frame gets no return event
+                raise RecursionError("template frames nested too deeply")
             return local
         return None
 
