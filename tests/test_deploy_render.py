@@ -162,3 +162,75 @@ def test_sev_snp_and_tp_that_does_not_fit_a_node():
     wide = text.replace("tp: 8", "tp: 16")
     with pytest.raises(ValueError, match="tp 16 does not fit one node of 8"):
         render_kubernetes(parse_spec(wide))
+
+
+TWO_MODELS = """\
+name: duo
+models:
+  - name: chat
+    worker: {max_num_seqs: 8, kv_store: true}
+    replicas: {min: 1, max: 4}
+  - name: chat-small
+    speculative: {method: ngram, num_speculative_tokens: 3}
+    replicas: {min: 2, max: 3}
+  - name: fixed
+    replicas: {min: 1, max: 1}
+autoscaling: {target_concurrency: 6, target_ttft_p90_s: 0.5}
+"""
+
+
+def test_two_model_render_validates_and_has_per_model_objects():
+    from llmserve.entrypoints.cli import build_parser
+    from llmserve.spec_decode.config import SpeculativeConfig
+
+    docs = render_kubernetes(parse_spec(TWO_MODELS))
+    for d in docs:
+        kv.validate(d, kv.latest_version(), strict=True)
+    sts = {d["metadata"]["name"]: d for d in by_kind(docs, "StatefulSet")}
+    assert sorted(sts) == ["duo-chat", "duo-chat-small", "duo-fixed"]
+    assert {n: d["spec"]["replicas"] for n, d in sts.items()} == \
+        {"duo-chat": 1, "duo-chat-small": 2, "duo-fixed": 1}
+    services = {d["metadata"]["name"]: d["spec"]["selector"] for d in by_kind(docs, "Service")}
+    pdbs = {d["metadata"]["name"]: d["spec"]["selector"]["matchLabels"]
+            for d in by_kind(docs, "PodDisruptionBudget")}
+    for name, d in sts.items():  # each model's Service and PDB select only its pods
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert labels["llmserve.dev/model"] == name[len("duo-"):]
+        assert services[name].items() <= labels.items()
+        assert pdbs[name].items() <= labels.items()
+        others = [o["spec"]["template"]["metadata"]["labels"] for n, o in sts.items()
+                  if n != name]
+        assert not any(pdbs[name].items() <= o.items() for o in others), name
+    hpas = {d["metadata"]["name"]: d["spec"] for d in by_kind(docs, "HorizontalPodAutoscaler")}
+    assert {n: (h["scaleTargetRef"]["name"], h["minReplicas"], h["maxReplicas"])
+            for n, h in hpas.items()} == {"duo-chat": ("duo-chat", 1, 4),
+                                          "duo-chat-small": ("duo-chat-small", 2, 3)}
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"]
+               for m in hpas["duo-chat"]["metrics"]}
+    assert targets == {"llmserve_num_requests_waiting": "5000m",  # the local autoscaler's
+                       "llmserve_concurrency": "6000m",            # targets, one each
+                       "llmserve_kv_cache_usage_perc": "800m",
+                       "llmserve_time_to_first_token_seconds_p90": "500m"}
+    adapter = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] ==
+                                  "duo-prometheus-adapter")["data"]["config.yaml"])
+    rules = {r["name"]["as"]: r for r in adapter["rules"]}
+    assert set(rules) == set(targets)
+    assert rules["llmserve_time_to_first_token_seconds_p90"]["metricsQuery"].startswith(
+        "histogram_quantile(0.9, sum(rate(<<.Series>>")
+    templates = pod_specs(docs)
+    router = templates["duo-router"]["spec"]["containers"][0]["args"]
+    workers = [router[i + 1] for i, a in enumerate(router) if a == "--worker"]
+    assert workers == [f"http://duo-{m}-{i}.duo-{m}.llmserve.svc:8000" for m, n in
+                       (("chat", 4), ("chat-small", 3), ("fixed", 1)) for i in range(n)]
+    parser = build_parser()
+    chat = parser.parse_args(templates["duo-chat"]["spec"]["containers"][0]["args"])
+    small = parser.parse_args(templates["duo-chat-small"]["spec"]["containers"][0]["args"])
+    assert chat.kv_store == "redis://duo-redis.llmserve.svc:6379/0" and small.kv_store is None
+    assert (chat.served_model_name, small.served_model_name) == (["chat"], ["chat-small"])
+    assert chat.speculative_config is None
+    assert SpeculativeConfig.from_value(small.speculative_config).num_speculative_tokens == 3
+    to_redis = next(p for p in by_kind(docs, "NetworkPolicy")
+                    if p["metadata"]["name"] == "duo-to-redis")
+    sources = [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+               for f in to_redis["spec"]["ingress"][0]["from"]]
+    assert sources == ["gateway", "router", "worker"]  # the KV store's writers

@@ -37,7 +37,7 @@ def errors(text: str) -> list[tuple[str, int, str]]:
 
 def test_good_spec_and_defaults():
     spec = parse_spec(GOOD)
-    m = spec.model
+    m = spec.models[0]
     assert (m.name, m.source, m.worker.tp, m.worker.max_num_seqs) == \
         ("smollm2", "smollm2-135m-instruct", 1, 8)
     assert (m.replicas.min, m.replicas.max) == (1, 2)
@@ -128,3 +128,64 @@ def test_up_refuses_bad_spec_before_starting(tmp_path):
     assert out.returncode == 2, out.stderr
     assert f"{bad}:9: gateway.keys[0].role" in out.stderr
     assert not os.path.exists(state)  # nothing started, nothing written
+
+
+TWO = textwrap.dedent(f"""\
+    name: duo
+    models:
+      - name: chat
+        worker: {{max_num_seqs: 8, kv_cache_memory: 128MiB, kv_store: true}}
+      - name: chat-small
+        speculative: {{method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 1}}
+        worker: {{max_num_seqs: 4}}
+        replicas: {{min: 1, max: 3}}
+    gateway:
+      teams: {{research: {{models: [chat]}}}}
+      keys:
+        - {{id: ci, team: research, role: member, key_hash: "{HASH}", models: [chat]}}
+    """)
+
+
+def test_two_models_and_what_must_agree():
+    spec = parse_spec(TWO)
+    assert [m.name for m in spec.models] == ["chat", "chat-small"]
+    assert spec.model_named("chat-small").replicas.max == 3 and spec.block_size == 16
+    dup = TWO.replace("name: chat-small", "name: chat")
+    (loc, line, msg), = errors(dup)
+    assert (loc, line) == ("models[1].name", 5) and "repeats models[0].name" in msg
+    bs = TWO.replace("max_num_seqs: 4}", "max_num_seqs: 4, block_size: 32}")
+    (loc, line, msg), = errors(bs)
+    assert (loc, line) == ("models[1].worker.block_size", 7) and "--block-size" in msg
+    got = errors(TWO.replace("{research: {models: [chat]}}", "{research: {models: [chat-big]}}")
+                 .replace('models: [chat]}', 'models: [chat, nope]}'))
+    assert [(loc, line) for loc, line, _ in got] == [("gateway.teams.research.models", 10),
+                                                     ("gateway.keys[0].models", 12)]
+    assert "unknown model(s) ['chat-big']" in got[0][2] and "['nope']" in got[1][2]
+    draft = TWO.replace("method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 1",
+                        "method: draft_model, draft_model: /m.gguf").replace(
+        "max_num_seqs: 4}", "max_num_seqs: 4, kv_store: true}")
+    (loc, _, msg), = errors(draft)
+    assert loc == "models[1].worker.kv_store" and "draft model" in msg
+    (loc, _, _), = errors(TWO.replace("prompt_lookup_min: 1", "draft_model: x"))
+    assert loc == "models[1].speculative.draft_model"
+
+
+def test_worker_args_pass_speculative_config_and_kv_store():
+    """The flags parse with the real `llmserve serve` parser, and the JSON is what the
+    engine's own SpeculativeConfig accepts (the oracle: its validation)."""
+    from llmserve.deploy.local import worker_args
+    from llmserve.entrypoints.cli import build_parser
+    from llmserve.spec_decode.config import SpeculativeConfig
+
+    spec = parse_spec(TWO)
+    chat, small = spec.models
+    parser = build_parser()
+    a = parser.parse_args(["serve", *worker_args(chat, None, "unix:///tmp/r.sock")])
+    assert (a.kv_store, a.speculative_config, a.served_model_name) == \
+        ("unix:///tmp/r.sock", None, ["chat"])
+    assert "--kv-store" not in worker_args(chat)  # no Redis URL: nothing to pass
+    b = parser.parse_args(["serve", *worker_args(small, None, "unix:///tmp/r.sock")])
+    assert b.kv_store is None and b.served_model_name == ["chat-small"]
+    cfg = SpeculativeConfig.from_value(b.speculative_config)
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+            cfg.prompt_lookup_max) == ("ngram", 3, 1, 1)

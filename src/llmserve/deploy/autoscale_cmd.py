@@ -2,14 +2,18 @@
 ``llmserve up`` when ``autoscaling.enabled``), or ``--simulate TRACE`` to replay a
 recorded load trace without any process.
 
-Every ``interval_s`` it scrapes each worker's Prometheus ``/metrics``
+Each model of the spec scales on its own: its own :class:`~.autoscaler.Autoscaler`
+(its ``replicas.min``/``max``, the deployment's ``autoscaling`` targets) fed only by
+its own workers' metrics. Every ``interval_s`` it scrapes each worker's Prometheus
+``/metrics``
 (``llmserve:num_requests_waiting``, ``llmserve:kv_cache_usage_perc`` and the
 ``llmserve:time_to_first_token_seconds`` histogram, whose p90 over the interval is
 computed from bucket deltas as Prometheus' ``histogram_quantile`` does), asks
 :class:`~.autoscaler.Autoscaler`, and applies the decision: scale-up starts a worker,
 waits for its ``/health`` and adds it with the router's ``POST /workers``; scale-down
-drains the newest worker with ``DELETE /workers/{id}`` (no new requests; removed once
-its requests finished) and only then stops it. One JSON line per tick goes to stdout.
+drains the model's newest worker with ``DELETE /workers/{id}`` (no new requests;
+removed once its requests finished) and only then stops it. One JSON line per model
+and tick goes to stdout (``"model"`` names it).
 """
 
 from __future__ import annotations
@@ -105,13 +109,19 @@ def plot(decisions, trace: list[dict], path: str, title: str) -> None:
 
 def _simulate(args, spec) -> int:
     trace = load_trace(args.simulate)
-    m = spec.model
+    m = spec.models[0]
+    if args.model is not None:
+        try:
+            m = spec.model_named(args.model)
+        except KeyError:
+            raise ValueError(f"--model {args.model!r}: not in the spec; its models: "
+                             f"{[x.name for x in spec.models]}") from None
     decisions = simulate(trace, spec.autoscaling, m.replicas.min, m.replicas.max)
     print(f"{'t':>8s} {'replicas':>8s} {'desired':>8s}  reason")
     for d in decisions:
         print(f"{d.t:8.1f} {d.current:8d} {d.desired:8d}  {d.reason}")
     if args.plot:
-        plot(decisions, trace, args.plot, f"{spec.name}: simulated replicas")
+        plot(decisions, trace, args.plot, f"{spec.name}/{m.name}: simulated replicas")
     return 0
 
 
@@ -131,49 +141,59 @@ def run(args) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_term)
-    m, cfg = spec.model, spec.autoscaling
-    scaler = Autoscaler(cfg, m.replicas.min, m.replicas.max)
+    cfg = spec.autoscaling
+    scalers = {m.name: Autoscaler(cfg, m.replicas.min, m.replicas.max) for m in spec.models}
     prev: dict[str, dict] = {}
     t0 = time.monotonic()
     with httpx.Client(timeout=5) as client:
         while True:
-            workers = [w for w in dep.by_role("worker") if w.url]
-            scraped = {}
-            for w in workers:
-                try:
-                    scraped[w.id] = parse_metrics(client.get(w.url + "/metrics").text)
-                except (httpx.HTTPError, ValueError):
-                    continue
-            t = time.monotonic() - t0
-            n = len(workers)
-            p90s = [q for wid, s in scraped.items() if (q := histogram_quantile(
-                0.9, prev.get(wid, {}).get("ttft_buckets", {}), s["ttft_buckets"]))
-                is not None]
-            prev = scraped
-            sample = Sample(t, n, sum(s["waiting"] for s in scraped.values()),
-                            sum(s["kv"] for s in scraped.values()) / max(len(scraped), 1),
-                            max(p90s) if p90s else None,
-                            sum(s["running"] for s in scraped.values()))
-            scaler.observe(sample)
-            d = scaler.decide(t, n)
-            print(json.dumps({"t": round(t, 2), "replicas": n, "desired": d.desired,
-                              "reason": d.reason, "panic": d.panic,
-                              "waiting": sample.num_requests_waiting,
-                              "running": sample.num_requests_running,
-                              "kv": round(sample.kv_cache_usage, 4),
-                              "ttft_p90_s": sample.ttft_p90_s}), flush=True)
-            for _ in range(d.desired - n):
-                rec = dep.add_worker()
-                print(json.dumps({"event": "added", "worker": rec.id, "url": rec.url}),
-                      flush=True)
-            newest = sorted(workers, key=lambda w: int(w.id.rsplit("-", 1)[-1]), reverse=True)
-            for rec in newest[:max(0, n - d.desired)]:
-                result = dep.remove_worker(rec)
-                print(json.dumps({"event": "removed", "worker": rec.id, "stop": result}),
-                      flush=True)
-            if d.desired != n:
-                scaler.applied(time.monotonic() - t0)
+            for name, scaler in scalers.items():
+                tick(dep, client, name, scaler, prev, t0)
             if args.once:
                 return 0
             time.sleep(cfg.interval_s)
 
+
+def model_sample(client: httpx.Client, workers, prev: dict[str, dict], t: float) -> Sample:
+    """One :class:`Sample` of ``workers`` (one model's): waiting and running summed, KV
+    usage averaged, the largest per-worker TTFT p90 since the last scrape (``prev``,
+    updated in place, keyed by worker id)."""
+    scraped = {}
+    for w in workers:
+        try:
+            scraped[w.id] = parse_metrics(client.get(w.url + "/metrics").text)
+        except (httpx.HTTPError, ValueError):
+            continue
+    p90s = [q for wid, s in scraped.items() if (q := histogram_quantile(
+        0.9, prev.get(wid, {}).get("ttft_buckets", {}), s["ttft_buckets"])) is not None]
+    prev.update(scraped)
+    return Sample(t, len(workers), sum(s["waiting"] for s in scraped.values()),
+                  sum(s["kv"] for s in scraped.values()) / max(len(scraped), 1),
+                  max(p90s) if p90s else None, sum(s["running"] for s in scraped.values()))
+
+
+def tick(dep, client: httpx.Client, model: str, scaler: Autoscaler, prev: dict[str, dict],
+         t0: float) -> None:
+    """Scrape ``model``'s workers, decide, and add or drain that model's workers."""
+    workers = [w for w in dep.workers_of(model) if w.url]
+    n = len(workers)
+    sample = model_sample(client, workers, prev, time.monotonic() - t0)
+    scaler.observe(sample)
+    d = scaler.decide(sample.t, n)
+    print(json.dumps({"t": round(sample.t, 2), "model": model, "replicas": n,
+                      "desired": d.desired, "reason": d.reason, "panic": d.panic,
+                      "waiting": sample.num_requests_waiting,
+                      "running": sample.num_requests_running,
+                      "kv": round(sample.kv_cache_usage, 4),
+                      "ttft_p90_s": sample.ttft_p90_s}), flush=True)
+    for _ in range(d.desired - n):
+        rec = dep.add_worker(model)
+        print(json.dumps({"event": "added", "model": model, "worker": rec.id,
+                          "url": rec.url}), flush=True)
+    newest = sorted(workers, key=lambda w: int(w.id.rsplit("-", 1)[-1]), reverse=True)
+    for rec in newest[:max(0, n - d.desired)]:
+        result = dep.remove_worker(rec)
+        print(json.dumps({"event": "removed", "model": model, "worker": rec.id,
+                          "stop": result}), flush=True)
+    if d.desired != n:
+        scaler.applied(time.monotonic() - t0)

@@ -68,6 +68,9 @@ def register(subparsers) -> None:
                    help="replay a JSON/CSV trace (t, num_requests_waiting, kv_cache_usage, "
                         "ttft_p90_s per replica or totals) and print the replica curve")
     p.add_argument("--plot", default=None, help="with --simulate: write a PNG plot here")
+    p.add_argument("--model", default=None,
+                   help="with --simulate: whose replicas.min/max to use (default: the first "
+                        "model of the spec)")
     p.add_argument("--once", action="store_true", help="one decision, then exit")
     p.set_defaults(func=run_autoscale)
 
@@ -91,8 +94,10 @@ def run_validate(args) -> int:
     from llmserve.deploy.spec import load_spec
 
     spec = load_spec(args.spec)
-    print(f"{args.spec}: ok (deployment {spec.name!r}, model {spec.model.name!r}, "
-          f"replicas {spec.model.replicas.min}..{spec.model.replicas.max})")
+    models = ", ".join(f"{m.name!r} replicas {m.replicas.min}..{m.replicas.max}"
+                       for m in spec.models)
+    print(f"{args.spec}: ok (deployment {spec.name!r}, model{'s' if len(spec.models) > 1 else ''}"
+          f" {models})")
     return 0
 
 
@@ -129,16 +134,38 @@ def run_status(args) -> int:
     dep = Deployment.attach(args.state_dir, _deployment_name(args.target, args.state_dir))
     rows = dep.status()
     if args.json:
+        models = {m.name: [r["id"] for r in rows if r["role"] == "worker"
+                           and r.get("model") == m.name] for m in dep.spec.models}
         print(json.dumps({"name": dep.spec.name, "gateway_url": dep.data.get("gateway_url"),
                           "router_url": dep.data.get("router_url"),
-                          "ready_s": dep.data.get("ready_s"), "procs": rows}, indent=1))
+                          "ready_s": dep.data.get("ready_s"), "models": models,
+                          "procs": rows}, indent=1))
     else:
         print(f"deployment {dep.spec.name!r} ({dep.spec_path})")
-        print(f"{'ROLE':11s} {'ID':11s} {'PID':>7s} {'ALIVE':6s} {'HEALTH':7s} URL")
-        for r in rows:
-            print(f"{r['role']:11s} {r['id']:11s} {r['pid']:7d} {str(r['alive']):6s} "
-                  f"{r['health']:7s} {r['url']}")
+        print_status(dep.spec, rows)
     return 0 if all(r["alive"] for r in rows) else 1
+
+
+def print_status(spec, rows: list[dict]) -> None:
+    """The serving plane first, then one block per model: its workers and bounds."""
+    head = f"{'ROLE':11s} {'ID':24s} {'PID':>7s} {'ALIVE':6s} {'HEALTH':7s} URL"
+
+    def line(r: dict) -> str:
+        return (f"{r['role']:11s} {r['id']:24s} {r['pid']:7d} {str(r['alive']):6s} "
+                f"{r['health']:7s} {r['url']}")
+
+    print(head)
+    for r in rows:
+        if r["role"] != "worker":
+            print(line(r))
+    for m in spec.models:
+        mine = [r for r in rows if r["role"] == "worker" and r.get("model") == m.name]
+        healthy = sum(r["health"] == "200" for r in mine)
+        print(f"\nmodel {m.name!r} ({m.source}): {len(mine)} worker"
+              f"{'s' if len(mine) != 1 else ''}, {healthy} healthy, replicas "
+              f"{m.replicas.min}..{m.replicas.max}")
+        for r in mine:
+            print(line(r))
 
 
 def run_render(args) -> int:

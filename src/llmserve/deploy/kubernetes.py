@@ -5,16 +5,21 @@ Objects (``<d>`` = deployment name, ``<m>`` = model name)::
     Namespace                     kubernetes.namespace
     ConfigMap  <d>-config         llmserve.yaml (the spec) and gateway.yaml
     Secret     <d>-secrets        LLMSERVE_MASTER_KEY, AWS_* (placeholders: fill them)
+    per model <m> of the spec (each with the label llmserve.dev/model=<m>):
     StatefulSet <d>-<m>           workers; stable names <d>-<m>-<i>.<d>-<m> so the router
     Service    <d>-<m> (headless)   can list every replica up to replicas.max; readiness,
                                   startup and liveness probes on /health
       (pp > 1: one StatefulSet <d>-<m>-g<i> per replica group, pp pods each, one per node)
     HorizontalPodAutoscaler <d>-<m>   on per-pod custom metrics through prometheus-adapter
+                                  (only that model's pods), its own min/max replicas
+    PodDisruptionBudget <d>-<m>   that model's workers
     ConfigMap  <d>-prometheus-adapter the adapter rules that expose those metrics
-    Deployment+Service <d>-router, <d>-gateway, <d>-redis (unless redis.url)
+    Deployment+Service <d>-router, <d>-gateway, <d>-redis (unless redis.url); one router
+      lists every model's workers and routes by the request's ``model``
     PodDisruptionBudget per component
     NetworkPolicy: default deny; router -> workers; gateway -> router; gateway, router
-                   -> redis; anyone -> gateway; Prometheus -> /metrics
+                   (and workers with worker.kv_store) -> redis; anyone -> gateway;
+                   Prometheus -> /metrics
 
 Isolation (``isolation``): ``runtimeClassName`` (Kata Containers; confidential
 defaults ``kata-qemu-tdx`` / ``kata-qemu-snp``), node selection on Node Feature
@@ -38,11 +43,23 @@ CONFIDENTIAL = {  # node label (Node Feature Discovery), default runtime class (
     "tdx": ("feature.node.kubernetes.io/cpu-security.tdx.enabled", "kata-qemu-tdx"),
     "sev-snp": ("feature.node.kubernetes.io/cpu-security.sev.snp.enabled", "kata-qemu-snp"),
 }
-# per-pod metrics the adapter exposes: HPA name -> (Prometheus series, spec target field)
-HPA_METRICS = {"llmserve_num_requests_waiting": ("llmserve:num_requests_waiting",
-                                                 "target_num_requests_waiting"),
-               "llmserve_kv_cache_usage_perc": ("llmserve:kv_cache_usage_perc",
-                                                "target_kv_cache_usage")}
+# per-pod metrics the adapter exposes, the same targets the local autoscaler uses:
+# HPA name -> (Prometheus series the rule discovers, spec target field, metricsQuery)
+_AVG = "avg(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"
+HPA_METRICS = {
+    "llmserve_num_requests_waiting": ("llmserve:num_requests_waiting",
+                                      "target_num_requests_waiting", _AVG),
+    "llmserve_concurrency": (  # running + waiting (Knative KPA's concurrency)
+        "llmserve:num_requests_running", "target_concurrency",
+        "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>) + sum("
+        "llmserve:num_requests_waiting{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
+    "llmserve_kv_cache_usage_perc": ("llmserve:kv_cache_usage_perc",
+                                     "target_kv_cache_usage", _AVG),
+    "llmserve_time_to_first_token_seconds_p90": (  # per pod, over the last minute
+        "llmserve:time_to_first_token_seconds_bucket", "target_ttft_p90_s",
+        "histogram_quantile(0.9, sum(rate(<<.Series>>{<<.LabelMatchers>>}[1m])) "
+        "by (le, <<.GroupBy>>))"),
+}
 
 
 def _labels(spec: DeploymentSpec, component: str) -> dict[str, str]:
@@ -108,8 +125,9 @@ def _container(spec: DeploymentSpec, name: str, args: list[str], port: int,
     return c
 
 
-def engine_flags(m: ModelSpec) -> list[str]:
-    """``llmserve serve`` flags for ``m`` in a pod (parallel sizes with vLLM's names)."""
+def engine_flags(m: ModelSpec, redis_url: str | None = None) -> list[str]:
+    """``llmserve serve`` flags for ``m`` in a pod (parallel sizes with vLLM's names);
+    ``redis_url``: the deployment's Redis, the ``--kv-store`` of ``worker.kv_store``."""
     w = m.worker
     args = ["--served-model-name", m.name, "--dtype", m.dtype, "--quantization",
             m.quantization, "--max-num-seqs", str(w.max_num_seqs), "--block-size",
@@ -129,16 +147,22 @@ def engine_flags(m: ModelSpec) -> list[str]:
     if m.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", m.kv_cache_dtype]
     if m.speculative:
-        args += ["--speculative-method", m.speculative.method, "--num-speculative-tokens",
-                 str(m.speculative.num_speculative_tokens)]
-        if m.speculative.draft_model:
-            args += ["--speculative-model", m.speculative.draft_model]
+        args += ["--speculative-config", m.speculative.config_json()]
+    if w.kv_store and redis_url:
+        args += ["--kv-store", redis_url]
+        if w.kv_store_ttl:
+            args += ["--kv-store-ttl", str(w.kv_store_ttl)]
     return args + list(w.extra_args)
 
 
-def _workers(spec: DeploymentSpec) -> tuple[list[dict], list[str]]:
-    """Worker objects and the router's worker URLs (every replica up to max)."""
-    m, k = spec.model, spec.kubernetes
+def _worker_labels(spec: DeploymentSpec, m: ModelSpec) -> dict[str, str]:
+    return {**_labels(spec, "worker"), "llmserve.dev/model": m.name}
+
+
+def _workers(spec: DeploymentSpec, m: ModelSpec, redis_url: str
+             ) -> tuple[list[dict], list[str]]:
+    """Model ``m``'s worker objects and router URLs (every replica up to max)."""
+    k = spec.kubernetes
     w = m.worker
     base = f"{spec.name}-{m.name}"
     multi_node = k.accelerator_resource is not None and w.tp * w.pp > k.gpus_per_node
@@ -171,14 +195,14 @@ def _workers(spec: DeploymentSpec) -> tuple[list[dict], list[str]]:
                 {"name": "LLMSERVE_NNODES", "value": str(w.pp)}]
     container = _container(spec, "worker", ["serve", "--host", "0.0.0.0", "--port",
                                             str(WORKER_PORT), "--model", m.source,
-                                            *engine_flags(m)], WORKER_PORT, env=env,
+                                            *engine_flags(m, redis_url)], WORKER_PORT, env=env,
                            mounts=mounts, resources=resources)
     objs: list[dict] = []
     urls: list[str] = []
     groups = [(base, m.replicas.min)] if not multi_node else [
         (f"{base}-g{i}", w.pp) for i in range(max(m.replicas.min, 1))]
     for name, replicas in groups:
-        labels = {**_labels(spec, "worker"), "llmserve.dev/group": name}
+        labels = {**_worker_labels(spec, m), "llmserve.dev/group": name}
         pod = _pod_spec(spec, [container], isolate=True, init=init, volumes=volumes)
         objs.append({"apiVersion": "v1", "kind": "Service",
                      "metadata": _meta(spec, name, "worker"),
@@ -197,14 +221,18 @@ def _workers(spec: DeploymentSpec) -> tuple[list[dict], list[str]]:
         else:
             urls += [f"http://{name}-{i}.{svc}:{WORKER_PORT}" for i in range(m.replicas.max)]
     if not multi_node and m.replicas.max > m.replicas.min:
-        objs.append(_hpa(spec, base))
+        objs.append(_hpa(spec, m, base))
+    objs.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                 "metadata": _meta(spec, base, "worker"),
+                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels":
+                                                            _worker_labels(spec, m)}}})
     return objs, urls
 
 
-def _hpa(spec: DeploymentSpec, target: str) -> dict:
+def _hpa(spec: DeploymentSpec, m: ModelSpec, target: str) -> dict:
     a = spec.autoscaling
     metrics = []
-    for name, (_, field) in HPA_METRICS.items():
+    for name, (_, field, _) in HPA_METRICS.items():
         value = getattr(a, field)
         if value:
             metrics.append({"type": "Pods", "pods": {
@@ -216,8 +244,8 @@ def _hpa(spec: DeploymentSpec, target: str) -> dict:
             "metadata": _meta(spec, target, "worker"),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet",
                                         "name": target},
-                     "minReplicas": max(spec.model.replicas.min, 1),
-                     "maxReplicas": spec.model.replicas.max, "metrics": metrics,
+                     "minReplicas": max(m.replicas.min, 1),
+                     "maxReplicas": m.replicas.max, "metrics": metrics,
                      "behavior": {
                          "scaleUp": {"stabilizationWindowSeconds": round(a.scale_up_cooldown_s),
                                      "policies": [{"type": "Percent", "value": up_pct,
@@ -233,8 +261,9 @@ def _adapter_rules(spec: DeploymentSpec) -> dict:
               "resources": {"overrides": {"namespace": {"resource": "namespace"},
                                           "pod": {"resource": "pod"}}},
               "name": {"matches": f"^{series}$", "as": name},
-              "metricsQuery": "avg(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
-             for name, (series, _) in HPA_METRICS.items()]
+              "metricsQuery": query}
+             for name, (series, field, query) in HPA_METRICS.items()
+             if getattr(spec.autoscaling, field)]
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(spec, f"{spec.name}-prometheus-adapter", "autoscaling"),
             "data": {"config.yaml": yaml.safe_dump({"rules": rules}, sort_keys=False)}}
@@ -292,8 +321,10 @@ def _network_policies(spec: DeploymentSpec) -> list[dict]:
                   ROUTER_PORT),
            _allow(spec, "clients-to-gateway", "gateway", None, GATEWAY_PORT)]
     if spec.redis.url is None:
-        out.append(_allow(spec, "to-redis", "redis", [pod("gateway"), pod("router")],
-                          REDIS_PORT))
+        sources = [pod("gateway"), pod("router")]
+        if any(m.worker.kv_store for m in spec.models):  # the shared KV store
+            sources.append(pod("worker"))
+        out.append(_allow(spec, "to-redis", "redis", sources, REDIS_PORT))
     return out
 
 
@@ -305,7 +336,12 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
     """
     k = spec.kubernetes
     redis_url = spec.redis.url or f"redis://{spec.name}-redis.{k.namespace}.svc:{REDIS_PORT}/0"
-    workers, urls = _workers(spec)
+    workers: list[dict] = []
+    urls: list[str] = []
+    for m in spec.models:
+        objs, model_urls = _workers(spec, m, redis_url)
+        workers += objs
+        urls += model_urls
     gw_yaml = yaml.safe_dump(spec.gateway.gateway_yaml(), sort_keys=False)
     docs: list[dict] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {
@@ -327,7 +363,7 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
     docs += workers
     r = spec.router
     router_args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy",
-                   r.policy, "--block-size", str(spec.model.worker.block_size),
+                   r.policy, "--block-size", str(spec.block_size),
                    "--health-interval", str(r.health_interval_s), "--max-retries",
                    str(r.max_retries)]
     for u in urls:
@@ -337,11 +373,7 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
                f"http://{spec.name}-router.{k.namespace}.svc:{ROUTER_PORT}", "--redis-url",
                redis_url, "--config", "/etc/llmserve/gateway.yaml"]
     docs += _service_deploy(spec, "gateway", spec.gateway.replicas, gw_args, GATEWAY_PORT)
-    docs.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                 "metadata": _meta(spec, f"{spec.name}-{spec.model.name}", "worker"),
-                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels":
-                                                            _labels(spec, "worker")}}})
-    if spec.model.replicas.max > spec.model.replicas.min:
+    if any(d["kind"] == "HorizontalPodAutoscaler" for d in workers):
         docs.append(_adapter_rules(spec))
     if spec.isolation.network_policies:
         docs += _network_policies(spec)

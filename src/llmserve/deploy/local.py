@@ -1,9 +1,14 @@
 """The local backend: ``llmserve up`` starts a deployment on this machine as child
 processes, in dependency order, each health-checked before the next starts::
 
-    redis (unless redis.url is given) -> workers (replicas.min, `llmserve serve`)
-      -> router (`llmserve router --worker ...`) -> gateway (`llmserve gateway`)
-      -> autoscaler (`llmserve autoscale`, when autoscaling.enabled)
+    redis (unless redis.url is given)
+      -> workers: per model, replicas.min of `llmserve serve --served-model-name NAME`
+         (ids worker-<model>-<i>)
+      -> one router in front of all (`llmserve router --worker ...`; it routes by the
+         request's `model`, reading each worker's /v1/models)
+      -> gateway (`llmserve gateway`; keys/teams `models:` restrict per model)
+      -> autoscaler (`llmserve autoscale`, when autoscaling.enabled; each model on its
+         own workers' metrics, with its own replicas.min/max)
 
 ``down`` stops them in the reverse order (SIGTERM, then SIGKILL after a timeout);
 ``status`` reports each one's liveness and ``/health``. Everything is recorded in a
@@ -62,14 +67,16 @@ def run_tune(m: ModelSpec, log_path: str, timeout_s: float) -> dict | None:
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
-def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
+def worker_args(m: ModelSpec, tuned: dict | None = None,
+                redis_url: str | None = None) -> list[str]:
     """The ``llmserve serve`` flags of one replica of ``m`` (no host/port); ``auto``
     values come from ``tuned`` (the JSON of ``llmserve tune``) or are left to the
-    engine's defaults when it is None.
+    engine's defaults when it is None. ``redis_url``: the deployment's Redis, passed
+    as ``--kv-store`` when ``m.worker.kv_store``.
 
     Raises:
         ValueError: a setting ``llmserve serve`` has no flag for yet (parallelism,
-            speculative decoding, KV cache dtype), naming the spec field.
+            KV cache dtype), naming the spec field.
     """
     w = m.worker
     for name in ("tp", "pp", "dp", "ep"):
@@ -77,9 +84,6 @@ def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
             raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` runs one "
                              f"process per replica; {name} > 1 is rendered for Kubernetes "
                              "but not started locally")
-    if m.speculative is not None:
-        raise ValueError(f"models.{m.name}.speculative: `llmserve serve` has no speculative "
-                         "decoding flags yet")
     if m.kv_cache_dtype != "auto":
         raise ValueError(f"models.{m.name}.kv_cache_dtype: `llmserve serve` has no KV cache "
                          "dtype flag yet; use auto")
@@ -97,6 +101,12 @@ def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
         args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
     if w.max_model_len is not None:
         args += ["--max-model-len", str(w.max_model_len)]
+    if m.speculative is not None:
+        args += ["--speculative-config", m.speculative.config_json()]
+    if w.kv_store and redis_url:
+        args += ["--kv-store", redis_url]
+        if w.kv_store_ttl:
+            args += ["--kv-store-ttl", str(w.kv_store_ttl)]
     return args + list(w.extra_args)
 
 
@@ -144,18 +154,21 @@ def start_redis(st: StateFile, deadline: float) -> ProcRecord:
         time.sleep(0.05)
 
 
-def spawn_worker(st: StateFile, spec: DeploymentSpec, index: int,
-                 tuned: dict | None = None) -> ProcRecord:
-    wid = f"worker-{index}"
+def spawn_worker(st: StateFile, spec: DeploymentSpec, m: ModelSpec, index: int,
+                 tuned: dict | None = None, redis_url: str | None = None) -> ProcRecord:
+    """Start replica ``index`` of model ``m`` (id ``worker-<model>-<index>``)."""
+    wid = f"worker-{m.name}-{index}"
     cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0",
-                 *worker_args(spec.model, tuned)]
-    return spawn("worker", wid, cmd, os.path.join(st.dir, f"{wid}.log"), env=s3_env(spec))
+                 *worker_args(m, tuned, redis_url)]
+    rec = spawn("worker", wid, cmd, os.path.join(st.dir, f"{wid}.log"), env=s3_env(spec))
+    rec.extra["model"] = m.name
+    return rec
 
 
 def _router_cmd(spec: DeploymentSpec, worker_urls: list[str]) -> list[str]:
     r = spec.router
     cmd = CLI + ["router", "--host", r.host, "--port", str(r.port), "--policy", r.policy,
-                 "--block-size", str(spec.model.worker.block_size),
+                 "--block-size", str(spec.block_size),
                  "--health-interval", str(r.health_interval_s),
                  "--max-retries", str(r.max_retries),
                  "--cache-threshold", str(r.cache_threshold),
@@ -193,6 +206,10 @@ class Deployment:
     def by_role(self, role: str) -> list[ProcRecord]:
         return [p for p in self.procs if p.role == role]
 
+    def workers_of(self, model: str) -> list[ProcRecord]:
+        """The worker records of ``model``."""
+        return [p for p in self.by_role("worker") if p.extra.get("model") == model]
+
     def _add(self, rec: ProcRecord) -> ProcRecord:
         self.procs.append(rec)
         self.st.save(self.data)
@@ -207,9 +224,9 @@ class Deployment:
             raise ValueError(f"deployment {self.spec.name!r} is already up "
                              f"({self.st.path}); run `llmserve down` first")
         os.makedirs(self.st.dir, exist_ok=True)
-        m = self.spec.model
-        worker_args(m)  # refuse unsupported settings before anything starts
-        self.data.update(started_at=time.time(), procs=[])
+        for m in self.spec.models:
+            worker_args(m)  # refuse unsupported settings before anything starts
+        self.data.update(started_at=time.time(), procs=[], tuned={}, next_worker={})
         try:
             if self.spec.redis.url:
                 self.data["redis_url"] = self.spec.redis.url
@@ -217,18 +234,23 @@ class Deployment:
                 rec = self._add(start_redis(self.st, deadline))
                 self.data["redis_url"] = rec.url
                 log(f"redis      {rec.url}")
-            tuned = run_tune(m, os.path.join(self.st.dir, "tune.log"),
-                             max(1.0, deadline - time.monotonic()))
-            if tuned:
-                self.data["tuned"] = tuned
-                for k in ("max_num_batched_tokens", "kv_cache_memory"):
-                    log(f"tuned      {k} = {tuned[k]}: {tuned['why'][k]}")
-            workers = [self._add(spawn_worker(self.st, self.spec, i, tuned))
-                       for i in range(max(m.replicas.min, 1))]
-            self.data["next_worker"] = len(workers)
+            workers = []
+            for m in self.spec.models:
+                tuned = run_tune(m, os.path.join(self.st.dir, f"tune-{m.name}.log"),
+                                 max(1.0, deadline - time.monotonic()))
+                if tuned:
+                    self.data["tuned"][m.name] = tuned
+                    for k in ("max_num_batched_tokens", "kv_cache_memory"):
+                        log(f"tuned      {m.name}: {k} = {tuned[k]}: {tuned['why'][k]}")
+                n = max(m.replicas.min, 1)
+                workers += [self._add(spawn_worker(self.st, self.spec, m, i, tuned,
+                                                   self.data["redis_url"]))
+                            for i in range(n)]
+                self.data["next_worker"][m.name] = n
             for w in workers:
                 wait_ready(w, deadline)
                 self.st.save(self.data)
+                m = self.spec.model_named(w.extra["model"])
                 log(f"{w.id:10s} {w.url}  ({m.name} from {m.source or DEFAULT_MODEL})")
             router = spawn("router", "router", _router_cmd(self.spec, [w.url for w in workers]),
                            os.path.join(self.st.dir, "router.log"))
@@ -245,7 +267,9 @@ class Deployment:
                              os.path.dirname(self.st.dir)]
                 a = self._add(spawn("autoscaler", "autoscaler", cmd,
                                     os.path.join(self.st.dir, "autoscaler.log")))
-                log(f"autoscaler pid {a.pid} (replicas {m.replicas.min}..{m.replicas.max})")
+                bounds = ", ".join(f"{m.name} {m.replicas.min}..{m.replicas.max}"
+                                   for m in self.spec.models)
+                log(f"autoscaler pid {a.pid} (replicas {bounds})")
         except BaseException:
             self.down(log=lambda *_: None)
             raise
@@ -279,11 +303,20 @@ class Deployment:
                 w.extra["router_id"] = ids[w.url]
         self.st.save(self.data)
 
-    def add_worker(self, timeout_s: float = 600.0) -> ProcRecord:
-        """Start one more worker, wait for its health, then add it to the router."""
-        index = self.data.get("next_worker", len(self.by_role("worker")))
-        self.data["next_worker"] = index + 1
-        rec = self._add(spawn_worker(self.st, self.spec, index, self.data.get("tuned")))
+    def add_worker(self, model: str, timeout_s: float = 600.0) -> ProcRecord:
+        """Start one more worker of ``model``, wait for its health, then add it to the
+        router (which reads its /v1/models before routing to it).
+
+        Raises:
+            KeyError: ``model`` is not in the spec.
+        """
+        m = self.spec.model_named(model)
+        nxt = self.data.setdefault("next_worker", {})
+        index = nxt.get(model, len(self.workers_of(model)))
+        nxt[model] = index + 1
+        rec = self._add(spawn_worker(self.st, self.spec, m, index,
+                                     self.data.get("tuned", {}).get(model),
+                                     self.data.get("redis_url")))
         try:
             wait_ready(rec, time.monotonic() + timeout_s)
             r = httpx.post(self.data["router_url"] + "/workers",
@@ -337,7 +370,8 @@ class Deployment:
         return results
 
     def status(self) -> list[dict]:
-        """One row per child: role, id, pid, alive, url, health (HTTP status or '-')."""
+        """One row per child: role, model (workers; else None), id, pid, alive, url,
+        health (HTTP status or '-')."""
         rows = []
         for p in self.procs:
             health = "-"
@@ -346,6 +380,7 @@ class Deployment:
                     health = str(httpx.get(p.url + "/health", timeout=5).status_code)
                 except httpx.TransportError as e:
                     health = type(e).__name__
-            rows.append({"role": p.role, "id": p.id, "pid": p.pid, "alive": p.alive(),
+            rows.append({"role": p.role, "model": p.extra.get("model"), "id": p.id,
+                         "pid": p.pid, "alive": p.alive(),
                          "url": p.url, "health": health})
         return rows

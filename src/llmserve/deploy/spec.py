@@ -16,8 +16,14 @@ Minimal spec (everything else has defaults)::
       keys: [{id: ci, team: research, role: member, key_hash: "sha256$..."}]
       teams: {research: {rpm: 600}}
 
+A deployment may serve several models: each has its own workers (``--served-model-name``
+= its ``name``), replicas and autoscaling bounds; one router in front of all routes by
+the request's ``model``. What the router needs to agree on across models is checked
+(one ``worker.block_size``).
+
 Validation is pydantic (unknown fields are errors) plus cross-field checks (tp divides
-the attention heads, ``replicas.min <= replicas.max``, keys name a known team).
+the attention heads, ``replicas.min <= replicas.max``, keys name a known team, model
+names are unique, ``models:`` restrictions name models of the spec).
 :func:`load_spec` raises :class:`SpecError` whose message lists every problem as
 ``FILE:LINE: field.path: message`` before anything starts.
 """
@@ -71,13 +77,32 @@ class WorkerTemplate(_Strict):
     device: str = "auto"
     tune_goal: Literal["latency", "throughput"] = "throughput"  # for the `auto` values
     tbt_slo_ms: float = Field(100.0, gt=0)  # latency goal: a step's longest decode stall
+    # share full prefix-cache blocks with the other workers through the deployment's
+    # Redis (`llmserve serve --kv-store URL`, docs/kv_store.md); ttl: seconds, None = never
+    kv_store: bool = False
+    kv_store_ttl: PositiveInt | None = None
     extra_args: list[str] = []  # more `llmserve serve` flags, passed as they are
 
 
 class Speculative(_Strict):
+    """Speculative decoding of every replica (``llmserve serve --speculative-config``,
+    vLLM's field names; ``draft_model`` is its ``model``)."""
+
     method: Literal["ngram", "draft_model"]
-    num_speculative_tokens: PositiveInt = 4
+    num_speculative_tokens: int = Field(4, ge=1, le=32)
     draft_model: str | None = None
+    prompt_lookup_min: PositiveInt | None = None  # ngram
+    prompt_lookup_max: PositiveInt | None = None
+    draft_length_policy: Literal["fixed", "adaptive"] = "fixed"
+
+    def config_json(self) -> str:
+        """The ``--speculative-config`` JSON (unset optional fields left out)."""
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+               "model": self.draft_model, "prompt_lookup_min": self.prompt_lookup_min,
+               "prompt_lookup_max": self.prompt_lookup_max,
+               "draft_length_policy": self.draft_length_policy}
+        return json.dumps({k: v for k, v in out.items() if v is not None},
+                          separators=(",", ":"))
 
 
 class ModelSpec(_Strict):
@@ -222,10 +247,18 @@ class DeploymentSpec(_Strict):
     isolation: IsolationSpec = IsolationSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
 
+    def model_named(self, name: str) -> ModelSpec:
+        """Raises: KeyError: no model of that name."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
     @property
-    def model(self) -> ModelSpec:
-        """The one model (the router does not route by model name yet)."""
-        return self.models[0]
+    def block_size(self) -> int:
+        """The KV block size every model's workers share (checked when the spec is
+        parsed): the router hashes prompts in blocks of this size for every worker."""
+        return self.models[0].worker.block_size
 
 
 class SpecError(ValueError):
@@ -277,11 +310,20 @@ def model_heads(m: ModelSpec) -> tuple[int, int] | None:
 def _cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
     errs: list[tuple[tuple, str]] = []
     names = [m.name for m in spec.models]
-    if len(spec.models) > 1:
-        errs.append((("models",), "one model per deployment for now (the router does not "
-                                  "route by model name); run one deployment per model"))
     for i, m in enumerate(spec.models):
         at = ("models", i)
+        if m.name in names[:i]:
+            errs.append(((*at, "name"), f"model name {m.name!r} repeats models"
+                                        f"[{names.index(m.name)}].name"))
+        if m.worker.block_size != spec.models[0].worker.block_size:
+            errs.append(((*at, "worker", "block_size"),
+                         f"{m.worker.block_size} differs from models[0].worker.block_size "
+                         f"({spec.models[0].worker.block_size}): one router hashes every "
+                         "prompt in one block size (its --block-size); use one value"))
+        if m.worker.kv_store and m.speculative and m.speculative.method == "draft_model":
+            errs.append(((*at, "worker", "kv_store"), "the shared KV store does not hold a "
+                                                      "draft model's KV; use method ngram "
+                                                      "or kv_store: false"))
         if m.replicas.min > m.replicas.max:
             errs.append(((*at, "replicas", "min"), f"min ({m.replicas.min}) is larger than "
                                                    f"max ({m.replicas.max})"))
@@ -309,8 +351,20 @@ def _cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
         if m.speculative and m.speculative.method == "draft_model" \
                 and not m.speculative.draft_model:
             errs.append(((*at, "speculative", "draft_model"), "method draft_model needs it"))
-    if len(set(names)) != len(names):
-        errs.append((("models",), f"model names repeat: {names}"))
+        if m.speculative and m.speculative.method == "ngram" and m.speculative.draft_model:
+            errs.append(((*at, "speculative", "draft_model"), "only for method draft_model"))
+        sp = m.speculative
+        if sp and sp.prompt_lookup_min and sp.prompt_lookup_max \
+                and sp.prompt_lookup_min > sp.prompt_lookup_max:
+            errs.append(((*at, "speculative", "prompt_lookup_min"),
+                         "must not exceed prompt_lookup_max"))
+    for where, allowed in [(("gateway", "teams", t, "models"), team.models)
+                           for t, team in spec.gateway.teams.items()] + \
+            [(("gateway", "keys", i, "models"), k.models)
+             for i, k in enumerate(spec.gateway.keys)]:
+        unknown = [n for n in allowed or [] if n not in names]
+        if unknown:
+            errs.append((where, f"unknown model(s) {unknown}; the spec's models: {names}"))
     for i, k in enumerate(spec.gateway.keys):
         if k.team is not None and k.team not in spec.gateway.teams:
             errs.append((("gateway", "keys", i, "team"),
