@@ -2,7 +2,10 @@
 ``<state-dir>/<name>/autoscaler.log``): replicas, requests in flight and p90 TTFT
 over time.
 
-    python benchmarks/deploy_autoscale_plot.py autoscaler.log docs/deployment/autoscale_burst.png
+    python benchmarks/deploy_autoscale_plot.py autoscaler.log docs/deployment/autoscale_burst.png [MODEL]
+
+A multi-model deployment logs one line per model and tick (``"model"``); MODEL picks
+one (default: the first one logged).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import sys
 
 
-def main(log_path: str, png: str) -> None:
+def main(log_path: str, png: str, model: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,6 +26,11 @@ def main(log_path: str, png: str) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 (events if "event" in row else ticks).append(row)
+    if model is None:
+        model = next((r["model"] for r in ticks if "model" in r), None)
+    if model is not None:
+        ticks = [r for r in ticks if r.get("model", model) == model]
+        events = [e for e in events if e.get("model", model) == model]
     t = [r["t"] for r in ticks]
     fig, (ax, ax3) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
     ax.step(t, [r["replicas"] for r in ticks], where="post", color="C0", label="replicas")
@@ -46,4 +54,4 @@ def main(log_path: str, png: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

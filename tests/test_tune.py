@@ -51,7 +51,7 @@ models:
 def test_up_passes_tuned_values_to_workers():
     from llmserve.entrypoints.cli import build_parser
 
-    m = parse_spec(SPEC).model
+    m = parse_spec(SPEC).models[0]
     cmd = tune_command(m)
     a = build_parser().parse_args(cmd[3:])
     assert (a.command, a.goal, a.tbt_slo_ms, a.max_num_seqs, a.max_model_len) == \
@@ -61,7 +61,7 @@ def test_up_passes_tuned_values_to_workers():
     assert (a.max_num_batched_tokens, a.kv_cache_memory) == (512, "123456789")
     assert "--max-num-batched-tokens" not in worker_args(m)  # untuned: engine defaults
     fixed = parse_spec(SPEC.replace("kv_cache_memory: auto,", "kv_cache_memory: 64MiB,")
-                       .replace("max_num_batched_tokens: auto,", "")).model
+                       .replace("max_num_batched_tokens: auto,", "")).models[0]
     assert tune_command(fixed) is None
 
 
