@@ -311,11 +311,14 @@ class Deployment:
             KeyError: ``model`` is not in the spec.
         """
         m = self.spec.model_named(model)
-        nxt = self.data.setdefault("next_worker", {})
-        index = nxt.get(model, len(self.workers_of(model)))
+        nxt = self.data.get("next_worker")
+        if not isinstance(nxt, dict):  # a state file of a single-model version
+            nxt = self.data["next_worker"] = {}
+        index = nxt.get(model, 1 + max((int(w.id.rsplit("-", 1)[-1])
+                                        for w in self.workers_of(model)), default=-1))
         nxt[model] = index + 1
-        rec = self._add(spawn_worker(self.st, self.spec, m, index,
-                                     self.data.get("tuned", {}).get(model),
+        tuned = self.data.get("tuned") or {}
+        rec = self._add(spawn_worker(self.st, self.spec, m, index, tuned.get(model),
                                      self.data.get("redis_url")))
         try:
             wait_ready(rec, time.monotonic() + timeout_s)
