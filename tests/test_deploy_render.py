@@ -1,5 +1,5 @@
 """``llmserve render --target kubernetes``: every object of the sample specs (the
-small one and the seeds' 405B one) passes the Kubernetes OpenAPI schema offline
+small one, the two-model one and the seeds' 405B one) passes the Kubernetes OpenAPI schema offline
 (kubernetes-validate, strict: unknown fields are errors), the wiring is consistent
 (selectors, Services, router worker list, HPA), the isolation section is rendered,
 and the container arguments parse with the real ``llmserve`` CLI parsers."""
@@ -21,6 +21,7 @@ from llmserve.deploy.spec import load_spec, parse_spec  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = os.path.join(ROOT, "examples", "llmserve.yaml")
 BIG = os.path.join(ROOT, "examples", "llmserve-405b.yaml")
+MULTI = os.path.join(ROOT, "examples", "llmserve-multi.yaml")
 
 
 def render(path: str) -> list[dict]:
@@ -36,7 +37,7 @@ def pod_specs(docs):
             if d["kind"] in ("Deployment", "StatefulSet")}
 
 
-@pytest.mark.parametrize("path", [SMALL, BIG])
+@pytest.mark.parametrize("path", [SMALL, BIG, MULTI])
 def test_manifests_pass_the_kubernetes_schema(path, tmp_path):
     docs = render(path)
     for d in docs:
