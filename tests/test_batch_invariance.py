@@ -9,9 +9,9 @@ token ids and the same logprobs, bit for bit.
 * default format (bfloat16, ``gguf-hybrid``): batching, arrival order, prefill
   chunking and prefix-cache hits change nothing (decode rows always through the
   packed kernels; prompt rows, a one-token prompt chunk included, through the dense
-  copy and the prefill attention's fixed 32-row tiles). Not covered: a token
-  computed once as a decode and later as a prompt token (recompute after
-  preemption, a reply sent back as the next prompt) takes the other path;
+  copy and the prefill attention's fixed 32-row tiles); output tokens recomputed
+  after a preemption run as the decodes they first were. Not covered: a reply sent
+  back as the next request's prompt (its tokens are then prompt tokens);
 * ``--deterministic``: all of the above, and that too (every token one decode).
 """
 
@@ -138,6 +138,24 @@ def test_default_format_greedy_output_ignores_prefix_cache_and_chunking(default_
     assert sum(cached_salted) == 0 and max(cached_warm) >= 48
     assert cached_full == [(n - 1) // 16 * 16 for n in lens]
     assert {lens[10] - cached_full[10], lens[11] - cached_full[11]} == {1}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_default_format_greedy_output_ignores_preemption(default_llm, prefix_caching):
+    """Default format: 16 prompts batched in a KV pool too small for all of them
+    (recompute preemptions; with the prefix cache a resumed request finds its full
+    blocks, output tokens among them, and recomputes the rest) give the tokens and
+    logprobs of each prompt alone. The recomputed output tokens run as one-token
+    decodes, as they first ran (before: prompt-path kernels, other bits)."""
+    from tests.conftest import engine_variant
+
+    want = _alone(default_llm.engine, PROMPTS)
+    engine = engine_variant(default_llm, cache={"num_gpu_blocks_override": 12,
+                                                "enable_prefix_caching": prefix_caching}
+                            ).engine
+    assert _diverging(_run(engine, PROMPTS), want) == []
+    assert engine.scheduler.stats.num_preemptions_total > 0
 
 
 @pytest.mark.model

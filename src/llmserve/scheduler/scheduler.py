@@ -46,6 +46,7 @@ from llmserve.utils import cdiv
 
 
 @dataclass
+
 class SchedulerStats:
     """Counters and gauges read by metrics and tests."""
 
@@ -62,6 +63,16 @@ class SchedulerStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     kv_store_hits_total: int = 0  # prompt tokens loaded from the shared KV store
+
+
+def _stop_at_prompt_end(req: Request, num_computed: int, num_new: int) -> int:
+    """``num_new`` cut at the end of the prompt when a recompute (after preemption)
+    spans it: the prompt part runs as a prefill, the output tokens in later steps as
+    decodes, the kernels they first ran with (model_runner: bit-identical greedy
+    output with and without preemption in the default format, issue 20)."""
+    if num_computed < req.num_prompt_tokens < num_computed + num_new:
+        return req.num_prompt_tokens - num_computed
+    return num_new
 
 
 class Scheduler:
@@ -227,8 +238,9 @@ class Scheduler:
         preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids),
-                          budget)  # drafted tokens are just more tokens of the decode
+            num_new = _stop_at_prompt_end(req, req.num_computed_tokens, min(
+                req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids),
+                budget))  # drafted tokens are just more tokens of the decode
             if num_new <= 0:
                 i += 1
                 continue
@@ -327,7 +339,7 @@ class Scheduler:
                                              req.extra_keys, len(computed_blocks))
         num_store = len(store_bodies) * self.block_size
         num_computed = req.num_computed_tokens or num_hit + num_store
-        num_new = req.num_tokens - num_computed
+        num_new = _stop_at_prompt_end(req, num_computed, req.num_tokens - num_computed)
         if num_new > budget:
             if not chunked:
                 return None, 0

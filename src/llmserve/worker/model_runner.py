@@ -165,15 +165,17 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def _prepare_inputs(self, sched: SchedulerOutput):
         num_sched = sched.num_scheduled_tokens
-        # decodes (one new token past the prompt) first, then prefill chunks; a one-token
-        # prompt chunk (the rest of a prefix-cache hit, a chunk boundary) is a prefill, so
-        # a prompt token runs the prompt path's kernels wherever its chunk starts
-        decode = {r: num_sched[r] == 1 and self.requests[r].num_computed_tokens
+        # decodes (tokens past the prompt) first, then prefill chunks; a one-token prompt
+        # chunk (the rest of a prefix-cache hit, a chunk boundary) is a prefill, so a
+        # prompt token runs the prompt path's kernels wherever its chunk starts; output
+        # tokens recomputed after a preemption (the scheduler never mixes them with
+        # prompt tokens in one chunk) run as one-token decodes, as they first ran
+        decode = {r: self.requests[r].num_computed_tokens
                   >= self.requests[r].num_prompt_tokens for r in num_sched}
         order = sorted(num_sched, key=lambda r: not decode[r])
         states = [self.requests[r] for r in order]
         query_lens = [num_sched[r] for r in order]
-        num_decodes = sum(decode.values())
+        num_decode_seqs = sum(decode.values())
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
         seq_lens, logits_idx, sample_states = [], [], []
@@ -200,9 +202,15 @@ class ModelRunner:
         pos_np = np.concatenate(pos_parts)
         positions = torch.from_numpy(pos_np)
         if getattr(self.config, "deterministic", False):  # each token a one-token decode
-            query_lens, seq_lens, block_table = per_token_metadata(query_lens, pos_np,
-                                                                   block_table)
-            num_decodes = len(query_lens)
+            num_decode_seqs = len(query_lens)
+        num_decodes = sum(query_lens[:num_decode_seqs])
+        if num_decodes > num_decode_seqs:  # a decode group with recomputed output tokens
+            ql, sl, table = per_token_metadata(query_lens[:num_decode_seqs],
+                                               pos_np[:num_decodes],
+                                               block_table[:num_decode_seqs])
+            query_lens = ql + query_lens[num_decode_seqs:]
+            seq_lens = sl + seq_lens[num_decode_seqs:]
+            block_table = np.concatenate([table, block_table[num_decode_seqs:]])
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         common = CommonAttentionMetadata(
