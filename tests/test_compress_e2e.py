@@ -169,16 +169,18 @@ def _llm_greedy(path: str) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("method,fmt,act_order,group", [
-    ("gptq", "gptq", True, 32),
-    ("gptq", "compressed-tensors", False, 64),
-    ("awq", "awq", False, 32),
+@pytest.mark.parametrize("method,fmt,act_order,group,bits", [
+    ("gptq", "gptq", True, 32, 4),
+    ("gptq", "compressed-tensors", False, 64, 4),
+    ("awq", "awq", False, 32, 4),
+    ("gptq", "gptq", False, 64, 8),
+    ("rtn", "compressed-tensors", False, -1, 8),
 ])
 def test_quantized_checkpoint_loads_with_reference_greedy(tiny, tmp_path, method, fmt,
-                                                          act_order, group):
+                                                          act_order, group, bits):
     pytest.importorskip("compressed_tensors")
-    path, _, calib, _ = tiny
-    out = quantize_checkpoint(path, QuantizeOptions(method, 4, group, act_order=act_order),
+    path, _, calib, text = tiny
+    out = quantize_checkpoint(path, QuantizeOptions(method, bits, group, act_order=act_order),
                               str(tmp_path / "q"), fmt=fmt, calib=calib, num_samples=8,
                               seq_len=64, progress=False)
     qc = json.loads(_read(os.path.join(out, "config.json")))["quantization_config"]
@@ -187,9 +189,18 @@ def test_quantized_checkpoint_loads_with_reference_greedy(tiny, tmp_path, method
 
         parsed = QuantizationConfig.model_validate(qc)
         assert parsed.format == "pack-quantized"
-        assert parsed.config_groups["group_0"].weights.group_size == group
+        weights = parsed.config_groups["group_0"].weights
+        assert weights.num_bits == bits
+        assert weights.group_size == (None if group == -1 else group)
     ref = _reference(out, fmt)
     assert _llm_greedy(out) == _hf_greedy(ref)
+    if fmt == "gptq" and bits == 4:  # eval: dequantized-at-load == the native int4 kernel
+        dense = evaluate(out, reference=path, text=_read(text), seq_len=48)
+        native = evaluate(out, reference=path, text=_read(text), seq_len=48,
+                          quantization="native")
+        assert math.isclose(dense.perplexity, native.perplexity, rel_tol=1e-3)
+        assert math.isclose(dense.kl_mean, native.kl_mean, rel_tol=1e-2)
+        assert 0 < dense.kl_mean <= dense.kl_max and 0.5 < dense.top1_agreement <= 1
 
 
 def test_smoothquant_w8a8_logits_close_to_fp32(tiny, tmp_path):
@@ -233,3 +244,25 @@ def test_quantize_bad_input_is_a_clear_error(tiny, tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and message in err, (extra, err)
     assert not os.path.exists(os.path.join(out, "config.json"))
+
+
+@pytest.mark.model
+def test_eval_default_model_perplexity_equals_transformers(gguf_path, hf_model):
+    """The embedded GGUF in float32: our perplexity == transformers' on its dequantized
+    weights, on the same built-in windows (each starting with BOS)."""
+    from llmserve.compress.texts import builtin_text, token_windows
+    from llmserve.loader import resolve_model
+    from llmserve.tokenizer import load_tokenizer
+
+    res = evaluate(gguf_path, dataset="code", seq_len=64, max_windows=2)
+    tok = load_tokenizer(resolve_model(gguf_path))
+    ids = tok.encode(builtin_text("eval", "code"), add_special_tokens=False)
+    windows = token_windows(ids, 64, bos_token_id=tok.bos_token_id)[:2]
+    nll = count = 0
+    with torch.no_grad():
+        for w in windows:
+            logp = torch.log_softmax(hf_model(torch.tensor([w])).logits[0, :-1].double(), -1)
+            nll -= float(logp.gather(1, torch.tensor(w[1:])[:, None]).sum())
+            count += len(w) - 1
+    assert res.num_tokens == count == 126
+    assert math.isclose(res.perplexity, math.exp(nll / count), rel_tol=1e-3)

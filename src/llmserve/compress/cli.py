@@ -24,6 +24,10 @@ def register(subparsers) -> None:
                    help="tokens per window (default 512; --quick 128)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "native", "none"],
+                   help="auto: W8A8 checkpoints run natively, weight-only ones dequantized "
+                        "at load (same weights, dense matmuls); native: every checkpoint's "
+                        "own kernels; none: dequantize all")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_eval)
 
@@ -68,7 +72,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     text = read_text_file(args.text) if args.text else None
     result = evaluate(args.model, args.reference, text=text, dataset=args.dataset,
                       quick=args.quick, seq_len=args.seq_len, max_windows=args.max_windows,
-                      dtype=args.dtype)
+                      dtype=args.dtype, quantization=args.quantization)
     d = result.as_dict()
     if args.json:
         print(json.dumps(d))
@@ -80,9 +84,16 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
+    import sys
+
     from llmserve.compress.pipeline import QuantizeOptions
     from llmserve.compress.quantize import quantize_checkpoint
+    from llmserve.loader import resolve_model
 
+    if resolve_model(args.model).kind == "gguf":
+        print(f"note: {args.model} is a GGUF file; it is dequantized to float32 first, so "
+              "quality is relative to that dequantized source (measure it with "
+              f"`llmserve eval {args.output} --reference {args.model}`)", file=sys.stderr)
     bits = args.bits if args.bits is not None else (8 if args.method == "smoothquant" else 4)
     opts = QuantizeOptions(method=args.method, bits=bits, group_size=args.group_size,
                            act_order=args.act_order, symmetric=args.sym, alpha=args.alpha)

@@ -41,11 +41,19 @@ class LoadedModel:
     weights: str
 
 
+def _activation_quantized(ckpt: Any) -> bool:
+    """True for checkpoints whose activations are quantized at run time (W8A8)."""
+    return any(getattr(s, "act_dynamic", None) is not None for s in getattr(ckpt, "schemes", ()))
+
+
 def load_model(model: str, dtype: str = "float32", quantization: str = "auto") -> LoadedModel:
     """Load ``model`` (a name, GGUF file or HF directory) through ``llmserve.loader``.
 
-    ``quantization`` as the engine's ``--quantization`` (``auto``: a quantized
-    checkpoint runs its own method; a GGUF in float32 is dequantized).
+    ``quantization``: ``auto`` runs W8A8 checkpoints natively (their int8 activations
+    change the numbers) and dequantizes weight-only ones at load (exactly the weights
+    the engine runs, in dense matmuls: torch's int4 CPU kernel is slow for float32
+    prompts); ``native`` runs every checkpoint's own method; else as the engine's
+    ``--quantization`` (``none``: dequantize everything).
 
     Raises:
         ValueError: an unknown model, bad dtype or unsupported format.
@@ -65,9 +73,14 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "auto") -
         raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
     source = resolve_model(model)
     config = load_model_config(source)
+    ckpt = checkpoint_quantization(source)
+    if quantization == "auto" and ckpt is not None and not _activation_quantized(ckpt):
+        quantization = "none"
+    elif quantization == "native":
+        quantization = "auto"
     quant = resolve_quantization(
         quantization, model_kind=source.kind, dtype=dtype, device="cpu",
-        checkpoint=checkpoint_quantization(source),
+        checkpoint=ckpt,
         gguf_types=set(gguf_tensor_types(source.path).values()) if source.kind == "gguf"
         else None)
     net = get_model_class(config.architecture)(config, DTYPES[dtype], "cpu")
@@ -158,7 +171,8 @@ def eval_windows(windows: list[list[int]], candidate: torch.nn.Module,
 
 def evaluate(model: str, reference: str | None = None, text: str | None = None,
              dataset: str = "all", quick: bool = False, seq_len: int | None = None,
-             max_windows: int | None = None, dtype: str = "float32") -> EvalResult:
+             max_windows: int | None = None, dtype: str = "float32",
+             quantization: str = "auto") -> EvalResult:
     """``llmserve eval``: ``text`` (else the built-in evaluation set ``dataset``) cut into
     windows of ``seq_len`` tokens (default 512, ``quick``: 128 and at most 4 windows),
     each starting with the tokenizer's BOS token when it has one.
@@ -168,8 +182,8 @@ def evaluate(model: str, reference: str | None = None, text: str | None = None,
     """
     from llmserve.tokenizer import encode_text
 
-    cand = load_model(model, dtype)
-    ref = load_model(reference, dtype) if reference is not None else None
+    cand = load_model(model, dtype, quantization)
+    ref = load_model(reference, dtype, quantization) if reference is not None else None
     seq_len = seq_len or (128 if quick else 512)
     if quick and max_windows is None:
         max_windows = 4
