@@ -79,6 +79,19 @@ def test_eval_perplexity_equals_transformers(tiny):
     assert res.kl_mean < 1e-9 and res.top1_agreement == 1.0  # a model against itself
 
 
+def test_eval_cli(tiny, capsys):
+    path, _, _, text = tiny
+    assert main(["eval", path, "--text", text, "--seq-len", "48", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_windows"] == 3 and out["kl_mean"] is None
+    assert out["perplexity"] == pytest.approx(evaluate(path, text=_read(text),
+                                                       seq_len=48).perplexity, rel=1e-6)
+    assert main(["eval", path, "--text", text + ".missing"]) == 2
+    assert "--text" in capsys.readouterr().err
+    assert main(["eval", path, "--dataset", "fr"]) == 2
+    assert "--dataset must be one of" in capsys.readouterr().err
+
+
 def _unpack(words: np.ndarray, bits: int, dim: int) -> np.ndarray:
     """int32 words -> fields along ``dim`` (field i of word j = element j*32/b + i)."""
     w = words.view(np.uint32)

@@ -174,7 +174,8 @@ def evaluate(model: str, reference: str | None = None, text: str | None = None,
              max_windows: int | None = None, dtype: str = "float32",
              quantization: str = "auto") -> EvalResult:
     """``llmserve eval``: ``text`` (else the built-in evaluation set ``dataset``) cut into
-    windows of ``seq_len`` tokens (default 512, ``quick``: 128 and at most 4 windows),
+    windows of ``seq_len`` tokens (default 512 or the model's maximum if smaller;
+    ``quick``: 128 and 4 windows spread over the text; ``max_windows``: the first N),
     each starting with the tokenizer's BOS token when it has one.
 
     Raises:
@@ -182,18 +183,19 @@ def evaluate(model: str, reference: str | None = None, text: str | None = None,
     """
     from llmserve.tokenizer import encode_text
 
+    body = text if text is not None else builtin_text("eval", dataset)  # checked first
     cand = load_model(model, dtype, quantization)
     ref = load_model(reference, dtype, quantization) if reference is not None else None
-    seq_len = seq_len or (128 if quick else 512)
-    if quick and max_windows is None:
-        max_windows = 4
-    if seq_len > cand.config.max_position_embeddings:
+    max_len = cand.config.max_position_embeddings
+    if seq_len is not None and seq_len > max_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-                         f"{cand.config.max_position_embeddings}")
-    body = text if text is not None else builtin_text("eval", dataset)
+                         f"{max_len}")
+    seq_len = seq_len or min(128 if quick else 512, max_len)
     tokens = encode_text(cand.tokenizer, body, "text", add_special_tokens=False)
     windows = token_windows(tokens, seq_len, field="the evaluation text",
                             bos_token_id=cand.tokenizer.bos_token_id)
+    if quick and max_windows is None and len(windows) > 4:  # spread over en / zh / code
+        windows = [windows[round(i * (len(windows) - 1) / 3)] for i in range(4)]
     windows = windows[:max_windows] if max_windows else windows
     m = eval_windows(windows, cand.model, ref.model if ref is not None else None)
     return EvalResult(model=cand.name, num_tokens=m["num_tokens"], num_windows=len(windows),
