@@ -1,0 +1,93 @@
+"""AWQ: activation-aware weight quantization by per-input-channel scales and clipping.
+
+Source: Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration" (MLSys 2024), section 3; reference implementations mit-han-lab/llm-awq,
+AutoAWQ and llm-compressor's ``AWQModifier`` (read, not copied).
+
+Linears ``W_i [N_i, K]`` that read the same input ``X [M, K]`` share one scale
+``s [K]``; ``W_i diag(s)`` is quantized and ``1/s`` folded into the op that produces
+``X`` (an RMSNorm weight or the rows of the previous linear), so the float function is
+unchanged. Scale search over ``n_grid`` ratios ``r`` in ``[0, 1)``::
+
+    x_mean[k] = mean_m |X[m, k]|        w_mean[k] = mean_n |W[n, k]| / max_{k' in group} |W[n, k']|
+    s(r) = x_mean^r / w_mean^(1-r), normalised by sqrt(max s * min s)
+    r*   = argmin_r || X W^T - (X / s) Q(W diag(s))^T ||^2     (all the W_i together)
+
+Clipping (after scaling, skipped for q/k whose errors the softmax amplifies): per
+output row and group the largest ``|w|`` is shrunk by ``1 - i / n_grid`` (``i`` up to
+``max_shrink * n_grid``), keeping the bound with the smallest group output error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.compress.quantizer import fake_quantize, resolve_group_size
+
+N_GRID = 20
+MAX_ROWS = 4096  # calibration rows (tokens) used by the searches
+
+
+def _rows(x: torch.Tensor, limit: int) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1]).float()
+    if x.shape[0] <= limit:
+        return x
+    idx = torch.linspace(0, x.shape[0] - 1, limit).long()
+    return x[idx]
+
+
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int,
+                  n_grid: int = N_GRID) -> torch.Tensor:
+    """The AWQ scale ``s [K]`` for linears ``weights`` (each ``[N_i, K]``) reading
+    ``x [..., K]`` (see the module doc)."""
+    x = _rows(x, MAX_ROWS)
+    w = torch.cat([t.float() for t in weights])  # [sum N_i, K]
+    n, k = w.shape
+    gs = resolve_group_size(group_size, k)
+    x_mean = x.abs().mean(0)
+    wg = w.abs().reshape(n, k // gs, gs)
+    w_mean = (wg / wg.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(n, k).mean(0)
+    ref = x @ w.t()
+    best_err, best = float("inf"), torch.ones(k)
+    for i in range(n_grid):
+        r = i / n_grid
+        s = (x_mean.pow(r) / w_mean.clamp(min=1e-4).pow(1 - r)).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        wq = fake_quantize(w * s, bits, gs) / s
+        err = float((x @ wq.t() - ref).pow(2).mean())
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
+def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int,
+                n_grid: int = N_GRID, max_shrink: float = 0.5,
+                max_rows: int = 512) -> torch.Tensor:
+    """Per row and group clip bounds ``[N, G]`` for ``w [N, K]`` reading ``x [..., K]``."""
+    x = _rows(x, max_rows)
+    n, k = w.shape
+    gs = resolve_group_size(group_size, k)
+    g = k // gs
+    xg = x.reshape(-1, g, gs)  # [m, G, gs]
+    wg = w.float().reshape(n, g, gs)  # [N, G, gs]
+    ref = torch.einsum("mgk,ngk->mng", xg, wg)
+    amax = wg.abs().amax(-1)  # [N, G]
+    best_err = torch.full((n, g), float("inf"))
+    best = amax.clone()
+    for i in range(int(max_shrink * n_grid)):
+        bound = amax * (1 - i / n_grid)
+        cw = torch.maximum(torch.minimum(wg, bound[..., None]), -bound[..., None])
+        q = fake_quantize(cw.reshape(n, k), bits, gs).reshape(n, g, gs)
+        err = (torch.einsum("mgk,ngk->mng", xg, q) - ref).pow(2).mean(0)  # [N, G]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, bound, best)
+    return best
+
+
+def apply_clip(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` clamped to ``[-bound, bound]`` per row and group (``bound [N, G]``)."""
+    n, k = w.shape
+    g = bound.shape[1]
+    wg = w.float().reshape(n, g, k // g)
+    return torch.maximum(torch.minimum(wg, bound[..., None]), -bound[..., None]).reshape(n, k)

@@ -1,0 +1,104 @@
+"""``llmserve eval`` and ``llmserve quantize`` (offline; see :mod:`llmserve.compress`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="perplexity, KL divergence and top-1 agreement against a reference",
+        description="Perplexity of MODEL on a text, and (with --reference) the mean/max KL "
+                    "divergence KL(reference || model) in nats and the top-1 agreement of "
+                    "their next-token distributions on the same tokens.")
+    p.add_argument("model", help="model name, GGUF file or Hugging Face directory")
+    p.add_argument("--reference", default=None, help="reference model (same tokenizer)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="UTF-8 text file to evaluate on")
+    src.add_argument("--dataset", default="all",
+                     help="built-in evaluation set: all, en, zh, code (default all)")
+    p.add_argument("--quick", action="store_true",
+                   help="at most 4 windows of 128 tokens (for smoke tests)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window (default 512; --quick 128)")
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "native", "none"],
+                   help="auto: W8A8 checkpoints run natively, weight-only ones dequantized "
+                        "at load (same weights, dense matmuls); native: every checkpoint's "
+                        "own kernels; none: dequantize all")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_run_eval)
+
+    q = subparsers.add_parser(
+        "quantize", help="quantize a model (RTN, GPTQ, AWQ, SmoothQuant W8A8)",
+        description="Quantize MODEL layer by layer and write a GPTQ, AWQ or "
+                    "compressed-tensors checkpoint that llmserve (and vLLM) loads. A GGUF "
+                    "input is dequantized first: measure quality against it with "
+                    "`llmserve eval OUTPUT --reference MODEL`.")
+    q.add_argument("model", help="dense Hugging Face directory, GGUF file or model name")
+    q.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "smoothquant"])
+    q.add_argument("--bits", type=int, default=None,
+                   help="weight bits: 4 or 8 (rtn, gptq), 4 (awq), 8 (smoothquant); "
+                        "default 4, smoothquant 8")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale group, -1 = one per row (default 128)")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing "
+                   "Hessian diagonal (desc_act)")
+    q.add_argument("--sym", action="store_true", help="symmetric weights (no zero points)")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant strength (0.5)")
+    q.add_argument("--calib", default=None,
+                   help="calibration text file (default: the built-in calibration text)")
+    q.add_argument("--num-samples", type=int, default=16,
+                   help="calibration windows (default 16)")
+    q.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    q.add_argument("--output", required=True, help="output directory")
+    q.add_argument("--format", default=None, choices=["compressed-tensors", "gptq", "awq"],
+                   help="checkpoint format (default: gptq for rtn/gptq, awq for awq, "
+                        "compressed-tensors for smoothquant)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=_run_quantize)
+
+
+def _fmt(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from llmserve.compress.evaluate import evaluate
+    from llmserve.compress.texts import read_text_file
+
+    text = read_text_file(args.text) if args.text else None
+    result = evaluate(args.model, args.reference, text=text, dataset=args.dataset,
+                      quick=args.quick, seq_len=args.seq_len, max_windows=args.max_windows,
+                      dtype=args.dtype, quantization=args.quantization)
+    d = result.as_dict()
+    if args.json:
+        print(json.dumps(d))
+    else:
+        for k, v in d.items():
+            if v is not None:
+                print(f"{k:>22}: {_fmt(v)}")
+    return 0
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    import sys
+
+    from llmserve.compress.pipeline import QuantizeOptions
+    from llmserve.compress.quantize import quantize_checkpoint
+    from llmserve.loader import resolve_model
+
+    if resolve_model(args.model).kind == "gguf":
+        print(f"note: {args.model} is a GGUF file; it is dequantized to float32 first, so "
+              "quality is relative to that dequantized source (measure it with "
+              f"`llmserve eval {args.output} --reference {args.model}`)", file=sys.stderr)
+    bits = args.bits if args.bits is not None else (8 if args.method == "smoothquant" else 4)
+    opts = QuantizeOptions(method=args.method, bits=bits, group_size=args.group_size,
+                           act_order=args.act_order, symmetric=args.sym, alpha=args.alpha)
+    out = quantize_checkpoint(args.model, opts, args.output, fmt=args.format,
+                              calib=args.calib, num_samples=args.num_samples,
+                              seq_len=args.seq_len, progress=not args.no_progress)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,240 @@
+"""The layer-by-layer quantization loop (the GPTQ / llm-compressor "sequential" pipeline).
+
+::
+
+    calibration windows [S, L] -> embeddings -> hidden [S, L, H]   (captured at layer 0)
+    for each decoder layer (tqdm bar):
+        run the float layer on hidden, hooks record each linear group's inputs
+            (GPTQ: Hessian; AWQ: inputs; SmoothQuant: per-channel max |x|)
+        choose scales (AWQ / SmoothQuant; folded into the producing norm / linear),
+        quantize the layer's linears, write their dequantized weights back
+        hidden = the quantized layer's output on hidden             (input of the next)
+
+Memory stays at one layer's activations for the calibration batch. The float model is a
+transformers ``AutoModelForCausalLM`` in float32 (a GGUF is dequantized by transformers'
+GGUF reader first, so quality is then relative to that dequantized source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.compress import awq, smoothquant
+from llmserve.compress.gptq import GPTQ
+from llmserve.compress.quantizer import check_bits, quantize_rtn
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant")
+METHOD_BITS = {"rtn": (4, 8), "gptq": (4, 8), "awq": (4,), "smoothquant": (8,)}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+# linears that read one input, and the module that produces it (scales fold into it)
+GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    (("self_attn.o_proj",), "self_attn.v_proj"),
+    (("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    (("mlp.down_proj",), "mlp.up_proj"),
+)
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+@dataclass
+class QuantizeOptions:
+    """``llmserve quantize`` settings (validated by :func:`check_options`)."""
+
+    method: str
+    bits: int
+    group_size: int = 128
+    act_order: bool = False
+    symmetric: bool = False
+    alpha: float = 0.5  # SmoothQuant strength
+    percdamp: float = 0.01  # GPTQ damping
+
+
+@dataclass
+class QuantizedModel:
+    """The result: ``model`` (float, with AWQ/SmoothQuant scales folded and quantized
+    weights dequantized in place), ``weights`` HF module name -> :class:`QuantizedLinear`
+    (weight-only) or ``(int8 codes [N, K], float32 scales [N])`` (W8A8)."""
+
+    model: nn.Module
+    options: QuantizeOptions
+    weights: dict[str, Any] = field(default_factory=dict)
+
+
+def check_options(opts: QuantizeOptions) -> None:
+    """Raises ValueError for an unknown method or bits the method does not support."""
+    if opts.method not in METHODS:
+        raise ValueError(f"--method must be one of {list(METHODS)}, got {opts.method!r}")
+    check_bits(opts.bits, METHOD_BITS[opts.method], opts.method)
+    if opts.act_order and opts.method != "gptq":
+        raise ValueError("--act-order applies to --method gptq only")
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_layer_inputs(model: nn.Module, input_ids: torch.Tensor,
+                         ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Run the embeddings on ``input_ids [S, L]``; return layer 0's hidden states
+    ``[S, L, H]`` and keyword arguments (rotary embeddings, mask), stopping there."""
+    store: dict[str, Any] = {}
+
+    def hook(_module, args, kwargs):
+        store["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        store["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Captured
+
+    handle = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    kwargs = {k: (None if "cache" in type(v).__name__.lower() else v)
+              for k, v in store["kwargs"].items()}
+    return store["hidden"], kwargs
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _fold(producer: nn.Module, s: torch.Tensor) -> bool:
+    """Divide the producer's output channels by ``s``: an RMSNorm weight or a linear's
+    rows (and bias). False when its output size differs (GQA v_proj -> o_proj)."""
+    w = producer.weight
+    if w.shape[0] != s.numel():
+        return False
+    with torch.no_grad():
+        if w.dim() == 1:
+            w.div_(s)
+        else:
+            w.div_(s[:, None])
+        if getattr(producer, "bias", None) is not None:
+            producer.bias.div_(s)
+    return True
+
+
+def _record(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
+    """Hooks on each group's first linear: its inputs (AWQ), Hessian (GPTQ) or max |x|."""
+    stats: dict[str, Any] = {}
+    handles = []
+    for names, _ in GROUPS:
+        first = layer.get_submodule(names[0])
+
+        def hook(_m, args, _out, key=names[0], k=first.in_features):
+            x = args[0].detach().reshape(-1, k).float()
+            if method == "gptq":
+                stats.setdefault(key, GPTQ(k)).add_batch(x)
+            elif method == "awq":
+                stats.setdefault(key, []).append(x)
+            else:
+                amax = x.abs().amax(0)
+                stats[key] = torch.maximum(stats[key], amax) if key in stats else amax
+
+        handles.append(first.register_forward_hook(hook))
+    return stats, handles
+
+
+def quantize_layer(layer: nn.Module, stats: dict[str, Any], opts: QuantizeOptions,
+                   prefix: str) -> dict[str, Any]:
+    """Quantize one decoder layer's linears in place (see the module doc); returns
+    ``{f"{prefix}.{name}": QuantizedLinear | (codes, scales)}``."""
+    out: dict[str, Any] = {}
+    for names, producer in GROUPS:
+        mods = [layer.get_submodule(n) for n in names]
+        x = stats.get(names[0])
+        if opts.method == "awq":
+            x = torch.cat(x)
+            s = awq.search_scales(x, [m.weight for m in mods], opts.bits, opts.group_size)
+            if _fold(layer.get_submodule(producer), s):
+                with torch.no_grad():
+                    for m in mods:
+                        m.weight.mul_(s)
+                x = x / s
+        elif opts.method == "smoothquant":
+            s = smoothquant.smoothing_scales(x, [m.weight for m in mods], opts.alpha)
+            if producer.endswith("layernorm") and _fold(layer.get_submodule(producer), s):
+                with torch.no_grad():
+                    for m in mods:
+                        m.weight.mul_(s)
+        joint = None
+        if opts.method == "gptq":  # rows are independent given H: one solve per group
+            joint = x.quantize(torch.cat([m.weight.detach().float() for m in mods]),
+                               opts.bits, opts.group_size, opts.symmetric, opts.act_order,
+                               opts.percdamp)
+        row = 0
+        for name, m in zip(names, mods):
+            w = m.weight.detach().float()
+            if joint is not None:
+                q = joint.rows(row, row + w.shape[0])
+                row += w.shape[0]
+                out[f"{prefix}.{name}"] = q
+                deq = q.dequantize()
+            elif opts.method == "smoothquant":
+                codes, scales = smoothquant.quantize_int8_per_channel(w)
+                out[f"{prefix}.{name}"] = (codes, scales)
+                deq = codes.float() * scales[:, None]
+            else:
+                if opts.method == "awq" and name not in NO_CLIP:
+                    w = awq.apply_clip(w, awq.search_clip(x, w, opts.bits, opts.group_size))
+                q = quantize_rtn(w, opts.bits, opts.group_size, opts.symmetric)
+                out[f"{prefix}.{name}"] = q
+                deq = q.dequantize()
+            with torch.no_grad():
+                m.weight.copy_(deq)
+    return out
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, opts: QuantizeOptions,
+                   calib: torch.Tensor | None, progress: bool = True) -> QuantizedModel:
+    """Quantize every decoder linear of a transformers causal LM (float32) in place.
+
+    Args:
+        model: e.g. ``LlamaForCausalLM`` (architectures in :data:`SUPPORTED_ARCHITECTURES`).
+        opts: the method, bits and group size.
+        calib: int64 ``[S, L]`` calibration windows (None only for ``rtn``).
+        progress: show a tqdm bar (one step per decoder layer).
+
+    Raises:
+        ValueError: bad options, an unsupported architecture, or no calibration data.
+    """
+    from tqdm import tqdm
+
+    check_options(opts)
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"llmserve quantize supports {list(SUPPORTED_ARCHITECTURES)}, "
+                         f"got {arch!r}")
+    if calib is None and opts.method != "rtn":
+        raise ValueError(f"--method {opts.method} needs calibration data")
+    model.eval()
+    result = QuantizedModel(model, opts)
+    layers = model.model.layers
+    hidden = kwargs = None
+    if opts.method != "rtn":
+        hidden, kwargs = capture_layer_inputs(model, calib)
+    bar = tqdm(layers, desc=f"quantize {opts.method} w{opts.bits}", unit="layer",
+               disable=not progress)
+    for i, layer in enumerate(bar):
+        stats: dict[str, Any] = {}
+        if hidden is not None:
+            stats, handles = _record(layer, opts.method)
+            try:
+                _run_layer(layer, hidden, kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+        result.weights.update(quantize_layer(layer, stats, opts, f"model.layers.{i}"))
+        del stats
+        if hidden is not None:
+            hidden = _run_layer(layer, hidden, kwargs)
+    return result
