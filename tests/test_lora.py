@@ -75,7 +75,7 @@ def setup(tmp_path_factory, gguf_path):
         adapted = peft.PeftModel.from_pretrained(base, str(root / name)).eval()
         ref[name] = greedy(adapted)
         adapted.unload()
-    return root, prompts, ref
+    return root, prompts, ref, tok
 
 
 def _run(llm, prompts, loras):
@@ -91,7 +91,7 @@ def test_base_and_two_adapters_in_one_batch_match_peft(setup):
     from llmserve import LLM
     from llmserve.lora import LoRARequest
 
-    root, prompts, ref = setup
+    root, prompts, ref, _ = setup
     assert ref["A"] != ref[None] and ref["B"] != ref[None] and ref["A"] != ref["B"]
     reqs = {None: None, "A": LoRARequest("A", 1, str(root / "A")),
             "B": LoRARequest("B", 2, str(root / "B"))}
@@ -114,7 +114,7 @@ def test_prefix_cache_never_crosses_adapters(setup):
     from llmserve import LLM
     from llmserve.lora import LoRARequest
 
-    root, prompts, ref = setup
+    root, prompts, ref, _ = setup
     a, b = LoRARequest("A", 1, str(root / "A")), LoRARequest("B", 2, str(root / "B"))
     llm = LLM(str(root / "base"), dtype="float32", kv_cache_memory="16MiB", block_size=4,
               enable_lora=True, max_loras=1, max_lora_rank=8)
@@ -149,7 +149,7 @@ def test_bad_adapters_are_clear_errors(setup, tmp_path):
     from llmserve import LLM
     from llmserve.lora import LoRARequest
 
-    root, prompts, _ = setup
+    root, prompts, _, _ = setup
     with pytest.raises(ValueError, match="enable_lora"):
         base_llm = LLM(str(root / "base"), dtype="float32", kv_cache_memory="8MiB")
         _run(base_llm, prompts[:1], [LoRARequest("A", 1, str(root / "A"))])
@@ -167,3 +167,74 @@ def test_bad_adapters_are_clear_errors(setup, tmp_path):
         LoRARequest("E", 0, "x")
     # the engine is still fine
     assert len(_run(llm, prompts[:1], [LoRARequest("B", 2, str(root / "B"))])) == 1
+
+
+# ---------------------------------------------------------------- server, real clients
+def test_server_selects_lists_loads_and_unloads_adapters(setup):
+    import asyncio
+
+    import httpx
+    import openai
+
+    from tests.test_server import start_server, stop_server
+
+    root, prompts, ref, tok = setup
+    base = str(root / "base")
+    server = start_server("--model", base, "--enable-lora", "--max-loras", "2",
+                          "--max-lora-rank", "8", "--lora-modules", f"A={root / 'A'}",
+                          "--allow-runtime-lora-updating", "--block-size", "4")
+    try:
+        api = server.url + "/v1"
+        models = httpx.get(api + "/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(base, None), ("A", base)]
+        r = httpx.post(api + "/load_lora_adapter",
+                       json={"lora_name": "B", "lora_path": str(root / "B")})
+        assert r.status_code == 200, r.text
+        assert [m.id for m in openai.OpenAI(base_url=api, api_key="x").models.list()] \
+            == [base, "A", "B"]
+        greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+
+        async def batch():  # base and both adapters at once: they share engine steps
+            async with openai.AsyncOpenAI(base_url=api, api_key="x") as client:
+                async def one(model, ids):
+                    c = await client.completions.create(model=model, prompt=ids, **greedy)
+                    return c.model, c.choices[0].text
+
+                jobs = [(m, i) for i in range(len(prompts)) for m in (base, "A", "B")]
+                outs = await asyncio.gather(*(one(m, prompts[i]) for m, i in jobs))
+            return dict(zip(jobs, outs))
+
+        got = asyncio.run(batch())
+        for (m, i), (reported, text) in got.items():
+            key = None if m == base else m
+            assert reported == m
+            assert text == tok.decode(ref[key][i], skip_special_tokens=True), (m, i)
+
+        sync = openai.OpenAI(base_url=api, api_key="x")
+        with pytest.raises(openai.NotFoundError) as e:
+            sync.completions.create(model="nope", prompt="hi", max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+        stream = sync.completions.create(model="B", prompt=prompts[2], stream=True, **greedy)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == \
+            tok.decode(ref["B"][2], skip_special_tokens=True)
+        # loading a taken name or a bad directory is a 400; nothing changes
+        assert httpx.post(api + "/load_lora_adapter", json={
+            "lora_name": "B", "lora_path": str(root / "A")}).status_code == 400
+        bad = httpx.post(api + "/load_lora_adapter", json={
+            "lora_name": "C", "lora_path": str(root / "missing")})
+        assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+        # unload A: a 404 for it afterwards, B still served
+        assert httpx.post(api + "/unload_lora_adapter",
+                          json={"lora_name": "A"}).status_code == 200
+        assert httpx.post(api + "/unload_lora_adapter",
+                          json={"lora_name": "A"}).status_code == 404
+        assert [m["id"] for m in httpx.get(api + "/models").json()["data"]] == [base, "B"]
+        with pytest.raises(openai.NotFoundError):
+            sync.completions.create(model="A", prompt=prompts[0], max_tokens=2)
+        # A again under its name, from B's files: B's tokens, not A's cached prefix
+        assert httpx.post(api + "/load_lora_adapter", json={
+            "lora_name": "A", "lora_path": str(root / "B")}).status_code == 200
+        text = sync.completions.create(model="A", prompt=prompts[1], **greedy).choices[0].text
+        assert text == tok.decode(ref["B"][1], skip_special_tokens=True)
+    finally:
+        assert stop_server(server) == 0
