@@ -238,3 +238,54 @@ def test_server_selects_lists_loads_and_unloads_adapters(setup):
         assert text == tok.decode(ref["B"][1], skip_special_tokens=True)
     finally:
         assert stop_server(server) == 0
+
+
+# ---------------------------------------------------------------- quantized base layers
+def test_adapter_around_native_gguf_int4_layers(tmp_path):
+    """A tiny GGUF (Q4_0/Q4_1/Q8_0) run natively by the int4 kernels, with a peft adapter:
+    float32 native + adapter equals dequantized dense + adapter (the dense path is
+    peft's above) in a prefill and in decode steps (the CPU decode fast path);
+    bfloat16 native (the default format) within its rounding."""
+    from llmserve.layers.quantization.gguf_native import GGUFNativeConfig, GGUFNativeLinearMethod
+    from llmserve.loader.source import ModelSource
+    from llmserve.lora import LoRARequest
+    from llmserve.lora.manager import LoRAModelManager
+    from tests.test_quant_gguf import load_model, sequence_logits, write_tiny_gguf
+
+    source = ModelSource("gguf", write_tiny_gguf(tmp_path / "tiny.gguf"), "tiny")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    _make_adapter(transformers.LlamaForCausalLM(cfg), tmp_path / "ad", 5, r=4, lora_alpha=8,
+                  target_modules=ALL)
+    lora = LoRARequest("ad", 1, str(tmp_path / "ad"))
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def run(model, chunk: int, manager=None) -> torch.Tensor:
+        if manager is None:
+            return sequence_logits(model, ids, chunk)
+        orig = model.forward
+
+        def forward(input_ids, positions, kv, md):  # each step: all rows use the adapter
+            manager.prepare_step([(lora, input_ids.shape[0])], md.num_decodes)
+            return orig(input_ids, positions, kv, md)
+
+        model.forward = forward
+        try:
+            return sequence_logits(model, ids, chunk)
+        finally:
+            model.forward = orig
+
+    dense = load_model(source, None, torch.float32)
+    base_ref = run(dense, 20)
+    ref = run(dense, 20, LoRAModelManager(dense, 1, 4))
+    assert (ref - base_ref).abs().max() > 0.1  # the adapter matters
+    native = load_model(source, GGUFNativeConfig(torch.float32), torch.float32)
+    manager = LoRAModelManager(native, 1, 4)
+    assert isinstance(native.model.layers[0].self_attn.qkv_proj.quant_method,
+                      GGUFNativeLinearMethod)
+    for chunk in (20, 1):
+        torch.testing.assert_close(run(native, chunk, manager), ref, rtol=0, atol=1e-4)
+    bf16 = load_model(source, GGUFNativeConfig(torch.bfloat16), torch.bfloat16)
+    got = run(bf16, 1, LoRAModelManager(bf16, 1, 4, dtype=torch.bfloat16))
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
