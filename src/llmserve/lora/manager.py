@@ -21,14 +21,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear
+from llmserve.layers.linear import Linear
 from llmserve.lora.layers import LoRALinear, PunicaWrapper
 from llmserve.lora.peft import PeftAdapter, load_peft_adapter
 from llmserve.lora.request import LoRARequest
 
 # our module name -> PEFT target names it can carry (q/k/v fused, gate/up fused)
 SUPPORTED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_LINEAR_TYPES = (Linear, MergedColumnLinear, QKVLinear)  # exactly these (not sharded ones)
 _TARGETS = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
 
 
@@ -62,8 +61,11 @@ class LoRAModelManager:
         packed = getattr(model, "packed_modules_mapping", {})
         for name, module in list(model.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
-            if leaf not in SUPPORTED_MODULES or type(module) not in _LINEAR_TYPES:
+            if leaf not in SUPPORTED_MODULES or not isinstance(module, Linear):
                 continue
+            if getattr(module, "tp_size", 1) > 1:
+                raise ValueError("LoRA adapters with tensor parallelism are not supported "
+                                 "yet; serve with --tensor-parallel-size 1")
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             if leaf in packed and hasattr(module, "output_sizes"):
                 names = [orig for orig, _ in packed[leaf]]
