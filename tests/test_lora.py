@@ -145,6 +145,26 @@ def test_extra_keys_one_function_for_router_and_scheduler():
     assert prompt_block_hashes(ids, 16, "t", 2) != prompt_block_hashes(ids, 16, "t")
 
 
+def test_scheduler_admits_at_most_max_loras_adapters():
+    from llmserve.config import SchedulerConfig
+    from llmserve.kv_cache import KVCacheManager
+    from llmserve.lora import LoRARequest
+    from llmserve.sampling_params import SamplingParams
+    from llmserve.scheduler import Request, RequestStatus, Scheduler
+
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(cfg, KVCacheManager(64, 4), max_loras=2)
+    a, b, c = (LoRARequest(n, i, "/x") for i, n in enumerate("abc", 1))
+    for rid, lora in [("1", a), ("2", None), ("3", b), ("4", a), ("5", c), ("6", None)]:
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(), 4, lora_request=lora))
+    out = sched.schedule()
+    # a and b fill the two slots; c waits (and, FCFS, so does the request behind it)
+    assert list(out.num_scheduled_tokens) == ["1", "2", "3", "4"]
+    assert [r.lora_request for r in out.scheduled_new_reqs] == [a, None, b, a]
+    sched.finish_requests(["3"], RequestStatus.FINISHED_ABORTED)
+    assert "5" in sched.schedule().num_scheduled_tokens  # b's slot is free now
+
+
 def test_bad_adapters_are_clear_errors(setup, tmp_path):
     from llmserve import LLM
     from llmserve.lora import LoRARequest
