@@ -47,6 +47,7 @@ class PunicaWrapper:
         self.num_tokens = 0
         self.num_decodes = 0
         self._slots: list[int] = []
+        self.has_lora = False  # any row of this step uses an adapter
         self._groups: dict[tuple[int, int], list[tuple[int, Rows]]] = {}
 
     def update(self, token_slots: list[int], num_decodes: int) -> None:
@@ -55,11 +56,8 @@ class PunicaWrapper:
         self.num_tokens = len(token_slots)
         self.num_decodes = num_decodes
         self._slots = token_slots
+        self.has_lora = any(s >= 0 for s in token_slots)
         self._groups = {}
-
-    @property
-    def has_lora(self) -> bool:
-        return any(s >= 0 for s in self._slots)
 
     def _build(self, start: int, n: int) -> list[tuple[int, Rows]]:
         rows_of: dict[int, list[int]] = {}

@@ -61,6 +61,9 @@ class LoRAModelManager:
         packed = getattr(model, "packed_modules_mapping", {})
         for name, module in list(model.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
+            if isinstance(module, LoRALinear):  # a second engine on the same weights: its
+                # wrappers replace the first engine's (whose adapters then no longer apply)
+                module = module.base_layer
             if leaf not in SUPPORTED_MODULES or not isinstance(module, Linear):
                 continue
             if getattr(module, "tp_size", 1) > 1:
