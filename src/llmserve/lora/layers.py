@@ -4,13 +4,16 @@ One step holds tokens of several adapters (and of none). Every adapted layer kee
 weights of ``max_loras`` adapter *slots* stacked, rank padded to ``max_lora_rank``::
 
     lora_a  [max_loras, num_slices * R, in_features]       shrink, all slices at once
-    lora_b  per slice [max_loras, slice_size, R]           expand, scaling folded in
-
+    lora_b  [max_loras, output_size, num_slices * R]       expand, block-diagonal over
+                                                           the slices, scaling folded in
     y = base(x)                                            any linear method (dense,
                                                            GGUF native int4, ...)
     for each adapter slot s present in the step (its token rows g):
-        t = x[g] @ lora_a[s]^T                             [n_g, num_slices * R]
-        y[g, slice i] += t[:, i*R:(i+1)*R] @ lora_b_i[s]^T
+        y[g] += (x[g] @ lora_a[s]^T) @ lora_b[s]^T         [n_g, num_slices * R] between
+
+              lora_b[s] for q|k|v:  | B_q  0    0   |   rows of q
+                                    | 0    B_k  0   |   rows of k
+                                    | 0    0    B_v |   rows of v
 
 The tokens of one adapter are gathered (segmented matmul: one shrink and one expand per
 adapter and slice, whatever the number of its requests), never one pass of the base
@@ -120,9 +123,9 @@ class LoRALinear(nn.Module):
         # [max_loras, num_slices * R, in_features]
         self.lora_a = torch.zeros(max_loras, len(slices) * max_lora_rank, self.input_size,
                                   dtype=dtype, device=device)
-        # per slice [max_loras, slice_size, R]
-        self.lora_b = [torch.zeros(max_loras, size, max_lora_rank, dtype=dtype, device=device)
-                       for _, _, size in slices]
+        # [max_loras, output_size, num_slices * R], block-diagonal (slice i: its rows, i*R..)
+        self.lora_b = torch.zeros(max_loras, self.output_size, len(slices) * max_lora_rank,
+                                  dtype=dtype, device=device)
         self._seen_step = -1
 
     # the base layer's attributes that other code reads
@@ -142,20 +145,19 @@ class LoRALinear(nn.Module):
         """Write one adapter into ``slot``: per slice ``(A [r, in], B [size, r])`` or None
         (that slice not adapted: zeros). Ranks below ``R`` are zero-padded."""
         R = self.max_lora_rank
-        self.lora_a[slot].zero_()
+        self.clear_slot(slot)
         for i, w in enumerate(weights):
-            self.lora_b[i][slot].zero_()
             if w is None:
                 continue
             a, b = w
             r = a.shape[0]
+            _, offset, size = self.slices[i]
             self.lora_a[slot, i * R:i * R + r].copy_(a)
-            self.lora_b[i][slot, :, :r].copy_(b)
+            self.lora_b[slot, offset:offset + size, i * R:i * R + r].copy_(b)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()
+        self.lora_b[slot].zero_()
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y += x @ A[slot]^T @ B[slot]^T`` for each adapter's rows, in place."""
@@ -164,17 +166,13 @@ class LoRALinear(nn.Module):
             return y
         first = self._seen_step != p.step
         self._seen_step = p.step
-        R = self.max_lora_rank
         for slot, rows in p.groups_for(x.shape[0], first):
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            shrunk = xs @ self.lora_a[slot].t()  # [n_g, num_slices * R]
-            for i, (_, offset, size) in enumerate(self.slices):
-                delta = shrunk[:, i * R:(i + 1) * R] @ self.lora_b[i][slot].t()  # [n_g, size]
-                out = y.narrow(1, offset, size)
-                if isinstance(rows, slice):
-                    out[rows] += delta.to(y.dtype)
-                else:
-                    out.index_add_(0, rows, delta.to(y.dtype))
+            if isinstance(rows, slice):  # contiguous rows: expand and add in one call
+                shrunk = x[rows] @ self.lora_a[slot].t()  # [n_g, num_slices * R]
+                y[rows].addmm_(shrunk, self.lora_b[slot].t())
+            else:
+                shrunk = x.index_select(0, rows) @ self.lora_a[slot].t()
+                y.index_add_(0, rows, shrunk @ self.lora_b[slot].t())
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
