@@ -413,6 +413,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA limits (vLLM's ``--enable-lora`` options).
+
+    ``max_loras``: distinct adapters in one batch (adapter slots); ``max_lora_rank``:
+    the largest adapter rank accepted; ``max_cpu_loras``: adapters kept in memory
+    (None = ``max_loras``; more are reloaded from their directories when needed).
+
+    Raises:
+        ValueError: a limit below 1, or ``max_cpu_loras < max_loras``.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        c = self.max_cpu_loras
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int)
+                              or c < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {c!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved (``dtype`` is never ``auto`` here)."""
 
@@ -429,6 +457,7 @@ class EngineConfig:
     # through one kernel path, so batching, chunking and prefix-cache hits change no bits
     deterministic: bool = False
     speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
+    lora_config: LoRAConfig | None = None  # multi-LoRA (--enable-lora), None = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -11,6 +11,7 @@ from llmserve.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -125,6 +126,10 @@ class EngineArgs:
     speculative_config: object = None
     kv_store: str | None = None  # redis://HOST:PORT/DB: the shared KV cache store
     kv_store_ttl: int | None = None
+    enable_lora: bool = False  # multi-LoRA: LoRARequest per request (llmserve.lora)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -181,6 +186,13 @@ class EngineArgs:
         g.add_argument("--kv-store-ttl", type=int, default=None, metavar="SECONDS",
                        help="expire blocks in the KV store after this many seconds "
                             "(default: never; Redis's maxmemory policy evicts)")
+        g.add_argument("--enable-lora", action="store_true", default=False,
+                       help="serve PEFT LoRA adapters (batched with the base model in one step)")
+        g.add_argument("--max-loras", type=int, default=1,
+                       help="distinct LoRA adapters in one batch")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in memory (default: --max-loras)")
         return parser
 
     @classmethod
@@ -193,6 +205,14 @@ class EngineArgs:
                 or self.swap_space <= 0:
             raise ValueError(f"swap_space must be a positive number of GiB, got {self.swap_space!r}")
         return int(self.swap_space * 1024**3)
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora: LoRA adapters with speculative decoding are not "
+                             "supported yet; drop --speculative-config")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def create_engine_config(self, model_config: ModelConfig, model_name: str) -> EngineConfig:
         """Resolve ``auto`` values against the model and the machine.
@@ -235,4 +255,5 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode),
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
             extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
-            speculative_config=SpeculativeConfig.from_value(self.speculative_config))
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+            lora_config=self._lora_config())

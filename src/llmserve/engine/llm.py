@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.engine.output_processor import RequestOutputKind
+from llmserve.lora import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import apply_chat_template
@@ -62,12 +63,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs in input order.
 
         Args:
             prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
             sampling_params: one for all prompts, or a list with one per prompt.
+            lora_request: a LoRA adapter for all prompts, or one (or None) per prompt
+                (needs ``enable_lora=True``); adapters and the base run in one batch.
 
         Raises:
             ValueError: for a bad prompt or parameter (no request is left queued).
@@ -84,11 +89,18 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 ids.append(self.engine.add_request(f"gen-{self._next_id}", prompt, params,
-                                                   RequestOutputKind.FINAL_ONLY))
+                                                   RequestOutputKind.FINAL_ONLY,
+                                                   lora_request=lora))
                 self._next_id += 1
         except ValueError:
             self.engine.abort_request(ids)

@@ -24,6 +24,7 @@ from llmserve.loader import (
     resolve_model,
 )
 from llmserve.loader.gguf_loader import gguf_tensor_types
+from llmserve.lora import LoRARequest
 from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
@@ -83,6 +84,15 @@ class LLMEngine:
                         format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
         self.num_host_blocks = num_host_blocks
         self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
+        self.lora_manager = None
+        if config.lora_config is not None:  # wraps the projections (llmserve/lora/)
+            from llmserve.lora.manager import LoRAModelManager
+
+            lc = config.lora_config
+            self.lora_manager = LoRAModelManager(model, lc.max_loras, lc.max_lora_rank,
+                                                 lc.max_cpu_loras, TORCH_DTYPES[config.dtype],
+                                                 config.device)
+            self.runner.lora_manager = self.lora_manager
         self.spec_decoding_stats = None
         if config.speculative_config is not None:
             from llmserve.spec_decode.builder import build_spec_decoder
@@ -99,7 +109,8 @@ class LLMEngine:
                            kv_store=self.kv_store),
             num_host_blocks, num_lookahead_tokens=(
                 self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
-                else 0))
+                else 0),
+            max_loras=config.lora_config.max_loras if config.lora_config else 0)
         self.output_processor = OutputProcessor(tokenizer)
         # structured outputs: grammars compiled once per spec (the server compiles them
         # in a worker thread before adding the request, so a step never waits on one)
@@ -192,7 +203,8 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, fork_from: str | None = None) -> str:
+                    cache_salt: str | None = None, fork_from: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue one request; returns its id.
 
         ``max_tokens`` is capped at ``max_model_len - prompt length``. With
@@ -202,6 +214,8 @@ class LLMEngine:
         ``cache_salt``: requests with different salts never share prefix cache.
         ``fork_from``: the id of a queued request with the same prompt whose prompt
         KV this one shares once computed (how the server runs an OpenAI ``n``).
+        ``lora_request`` (or ``prompt["lora_request"]``): the LoRA adapter to run with
+        (``enable_lora``); loaded here if it is not in memory.
 
         Raises:
             ValueError: naming the field (prompt, sampling parameters, length).
@@ -213,6 +227,10 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]  # vLLM accepts the salt in the prompt dict
+        if isinstance(prompt, dict) and prompt.get("lora_request") is not None:
+            lora_request = prompt["lora_request"]
+        if lora_request is not None:
+            self.add_lora(lora_request)  # ValueError: LoRA off, bad adapter
         vocab = self.config.model_config.vocab_size
         if self.config.speculative_config is not None:  # the verifier runs neither yet
             if params.structured_outputs is not None:
@@ -253,12 +271,38 @@ class LLMEngine:
                     child_params.seed = params.seed + i
             req = Request(child_id, prompt_ids, child_params, max_tokens, self.eos_token_ids,
                           arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                          lora_request=lora_request,
                           fork_from=child_ids[0] if i > 0 else self._fork_source(fork_from,
                                                                                   prompt_ids))
             self.scheduler.add_request(req)
             self.output_processor.add_request(child_id, prompt_text, prompt_ids, child_params,
                                               output_kind, arrival, parent=parent, index=i)
         return request_id
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into memory (vLLM's ``add_lora``); callable from any thread.
+
+        Raises:
+            ValueError: LoRA is off (no ``enable_lora``), not a ``LoRARequest``, or the
+                adapter cannot be read or does not fit the model / ``max_lora_rank``.
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True "
+                             "(--enable-lora)")
+        self.lora_manager.add_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from memory; True if it was loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """Ids of the adapters in memory."""
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
 
     def _fork_source(self, fork_from: str | None, prompt_ids: list[int]) -> str | None:
         if fork_from is None:

@@ -7,8 +7,9 @@ its parent block's hash::
     h_i = SHA-256(h_{i-1} || tokens[i*B:(i+1)*B])
 
 so equal hashes mean equal whole prefixes, not just equal blocks. The extra
-keys (a per-request ``cache_salt``) enter the first block, so requests with
-different salts never share cache. SHA-256 is a cryptographic hash: a
+keys (:func:`request_extra_keys`: the LoRA adapter's id and a per-request
+``cache_salt``) enter the first block, so requests with different adapters (or none)
+or salts never share cache (vLLM puts the LoRA id in the block hash's extra keys too). SHA-256 is a cryptographic hash: a
 collision, which would return wrong KV, has probability about 2^-128 even
 over billions of blocks, so tokens are not compared again on a hit (vLLM's
 ``sha256`` prefix-caching hash makes the same choice).
@@ -22,6 +23,20 @@ import hashlib
 from array import array
 
 _SEED = b"llmserve-prefix-cache-v1"
+
+
+def request_extra_keys(cache_salt: str | None = None, lora_int_id: int | None = None) -> bytes:
+    """The first block's extra keys of a request; the one function the engine's
+    scheduler and the router both use.
+
+    ``b""`` for neither; ``b"salt:" + salt`` for a salt alone; a LoRA adapter
+    (``LoRARequest.lora_int_id``, which names one adapter for an engine's lifetime)
+    puts a fixed-width ``b"lora:" + id (8 bytes)`` in front, so no salt can forge it.
+    """
+    keys = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    if lora_int_id is not None:
+        keys = b"lora:" + int(lora_int_id).to_bytes(8, "little") + keys
+    return keys
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...],

@@ -374,6 +374,7 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "llmserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM)
     max_model_len: int | None = None
 
 

@@ -9,16 +9,18 @@ the same ``cache_salt`` handling as :class:`llmserve.scheduler.request.Request`
 
 from __future__ import annotations
 
-from llmserve.kv_cache.prefix_cache import extend_block_hashes
+from llmserve.kv_cache.prefix_cache import extend_block_hashes, request_extra_keys
 
 
-def salt_extra_keys(cache_salt: str | None) -> bytes:
-    """``extra_keys`` for a request's ``cache_salt`` (as ``scheduler.request.Request``)."""
-    return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+def salt_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
+    """``extra_keys`` for a request's ``cache_salt`` and LoRA adapter id
+    (:func:`~llmserve.kv_cache.prefix_cache.request_extra_keys`, as the scheduler)."""
+    return request_extra_keys(cache_salt, lora_int_id)
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int,
-                        cache_salt: str | None = None) -> list[bytes]:
+                        cache_salt: str | None = None,
+                        lora_int_id: int | None = None) -> list[bytes]:
     """Hashes of the full ``block_size``-token blocks of ``token_ids`` (32 bytes each).
 
     Raises:
@@ -26,4 +28,5 @@ def prompt_block_hashes(token_ids: list[int], block_size: int,
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return extend_block_hashes([], list(token_ids), block_size, salt_extra_keys(cache_salt))
+    return extend_block_hashes([], list(token_ids), block_size,
+                               request_extra_keys(cache_salt, lora_int_id))

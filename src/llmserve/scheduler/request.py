@@ -6,7 +6,10 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from llmserve.kv_cache.prefix_cache import request_extra_keys
+
 if TYPE_CHECKING:
+    from llmserve.lora import LoRARequest
     from llmserve.sampling_params import SamplingParams
 
 
@@ -63,6 +66,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         fork_from: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -72,8 +76,10 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # prefix-cache extra keys of the first block: tenants with different salts never share
-        self.extra_keys = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+        self.lora_request = lora_request  # its LoRA adapter (None: the base model)
+        # prefix-cache extra keys of the first block: different salts or adapters never share
+        self.extra_keys = request_extra_keys(
+            cache_salt, None if lora_request is None else lora_request.lora_int_id)
         # n > 1: the id of the request whose prompt KV this one shares once computed
         self.fork_from = fork_from
         self.status = RequestStatus.WAITING_FOR_FORK if fork_from else RequestStatus.WAITING

@@ -86,7 +86,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0) -> None:
+                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
+                 max_loras: int = 0) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
@@ -106,6 +107,8 @@ class Scheduler:
         # speculative decoding with a draft model: KV slots after a verified run where the
         # draft writes its next drafts' KV (vLLM's num_lookahead_tokens)
         self.num_lookahead_tokens = num_lookahead_tokens
+        # multi-LoRA: at most this many distinct adapters run at once (0: no limit)
+        self.max_loras = max_loras
 
     # ------------------------------------------------------------------ admission
     def check_request_fits(self, num_prompt_tokens: int) -> None:
@@ -275,6 +278,8 @@ class Scheduler:
                     budget = self.config.max_num_batched_tokens - sum(scheduled.values())
                     continue
                 break
+            if self.max_loras and self._lora_slots_full(req):
+                break  # its adapter waits for a running adapter's requests to finish
             ops, num_new = self._try_admit(req, budget)
             if ops is None:
                 if self._preempt_lower_priority(req, scheduled, admitted, out):
@@ -300,7 +305,7 @@ class Scheduler:
                 self._seen_by_runner.add(req.request_id)
                 out.scheduled_new_reqs.append(NewRequestData(
                     req.request_id, list(req.all_token_ids), req.sampling_params, block_ids,
-                    req.num_computed_tokens))
+                    req.num_computed_tokens, req.lora_request))
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req.request_id, block_ids, req.num_computed_tokens,
@@ -312,6 +317,13 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._update_stats(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
         return out
+
+    def _lora_slots_full(self, req: Request) -> bool:
+        """Admitting ``req`` would put more than ``max_loras`` adapters in the batch."""
+        if req.lora_request is None:
+            return False
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return req.lora_request.lora_int_id not in active and len(active) >= self.max_loras
 
     def _try_admit(self, req: Request, budget: int) -> tuple[list | None, int]:
         """Allocate blocks for a waiting request. Returns (kv ops, tokens) or (None, 0)."""

@@ -50,6 +50,7 @@ class CachedRequestState:
     num_computed_tokens: int
     prompt_logprobs: list | None = None  # entries of prompt tokens 1.. (prompt_logprobs.py)
     grammar: Any = None  # structured outputs: a GrammarMatcher, advanced by each token
+    lora_request: Any = None  # a llmserve.lora.LoRARequest (None: the base model)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -99,6 +100,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.spec_decoder = None  # a spec_decode.verifier.SpecDecoder: runs the step instead
+        self.lora_manager = None  # a lora.manager.LoRAModelManager (--enable-lora)
 
     # ---------------------------------------------------------------- KV moves
     def apply_kv_cache_ops(self, ops: list[tuple[str, int, int]]) -> None:
@@ -150,7 +152,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), sp, gen,
                 list(new.block_ids), new.num_computed_tokens,
-                [] if sp.prompt_logprobs is not None else None)
+                [] if sp.prompt_logprobs is not None else None,
+                lora_request=getattr(new, "lora_request", None))
             so = sp.structured_outputs
             if so is not None:  # compiled by the engine when the request was added
                 self.requests[new.req_id].grammar = so.compiled.new_matcher()
@@ -243,6 +246,9 @@ class ModelRunner:
             return out
         input_ids, positions, common, logits_idx, sample_states = self._prepare_inputs(sched)
         attn_metadata = self.model.attn_backend_cls.build_metadata(common)
+        if self.lora_manager is not None:  # each row's adapter slot (lora/layers.py)
+            self.lora_manager.prepare_step([(s.lora_request, n) for s, _, _, n in self._layout],
+                                           common.num_decodes)
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         if wants_prompt_logprobs(self._layout):
             collect_prompt_logprobs(self.model, hidden, self._layout)

@@ -54,6 +54,7 @@ from llmserve.entrypoints.openai.request_id import RequestIdMiddleware
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_engine import APIError, bad_request, service_unavailable
+from llmserve.entrypoints.openai.serving_lora import LoRARegistry, install_lora_routes
 from llmserve.metrics.dashboard import DASHBOARD_PATHS, DATA_PATHS, install_server_dashboard
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.protocol import validation_message
@@ -83,6 +84,7 @@ class ServerState:
                  trust_request_chat_template: bool = False,
                  tool_call_parser: str | None = "hermes"):
         self.tool_call_parser = tool_call_parser
+        self.lora_registry = None  # a serving_lora.LoRARegistry with --enable-lora
         self.served_model_names = list(served_model_names)
         self.max_waiting_requests = max_waiting_requests
         self.trust_request_chat_template = trust_request_chat_template
@@ -103,6 +105,7 @@ class ServerState:
         self.chat = OpenAIServingChat(
             *args, trust_request_chat_template=self.trust_request_chat_template,
             tool_call_parser=self.tool_call_parser)
+        self.completion.lora_registry = self.chat.lora_registry = self.lora_registry
         self.engine = engine
         self.ready = True
 
@@ -167,7 +170,9 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
               public_metrics: bool = False,
               trust_request_chat_template: bool = False,
               batch_dir: str | None = None,
-              tool_call_parser: str | None = "hermes") -> FastAPI:
+              tool_call_parser: str | None = "hermes",
+              lora_modules: Sequence[tuple[str, str]] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The application; its lifespan loads the model in a background thread.
 
     Args:
@@ -184,13 +189,24 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         on_ready: called (from the loader thread) once the engine runs.
         batch_dir: where the Batch API keeps files and batches (None: a temporary
             directory; see :mod:`llmserve.entrypoints.batch.api`).
+        lora_modules: ``(name, PEFT directory)`` adapters served from the start (needs
+            ``engine_args.enable_lora``); see :mod:`~llmserve.entrypoints.openai.serving_lora`.
+        allow_runtime_lora_updating: add ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter``.
     """
     state = ServerState(served_model_names, max_waiting_requests, trust_request_chat_template,
                         tool_call_parser)
+    state.lora_registry = LoRARegistry() if engine_args.enable_lora else None
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in lora_modules:
+        state.lora_registry.add(name, path)
 
     def load() -> None:
         try:
             engine = AsyncLLM.from_engine_args(engine_args, [state.stat_logger])
+            for lora in state.lora_registry.list() if state.lora_registry else ():
+                engine.engine.add_lora(lora)  # ValueError: a bad --lora-modules adapter
         except Exception as e:  # ValueError: bad model or option; anything else: a bug
             logger.error("the model failed to load: %s", e)
             state.load_error, state.exit_code = str(e), 1
@@ -240,6 +256,8 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
 
     install_server_dashboard(app, state.stat_logger.registry, served_model_names[0])
     install_batch_api(app, state, batch_dir)
+    if allow_runtime_lora_updating:
+        install_lora_routes(app, state)
 
     @app.get("/v1/models", responses=responses(ModelList, 503))
     async def models() -> Response:
@@ -247,6 +265,10 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
         cards = [ModelCard(id=name, root=engine.engine.config.model,
                            max_model_len=engine.max_model_len)
                  for name in state.served_model_names]
+        cards += [ModelCard(id=lora.lora_name, root=lora.lora_path,
+                            parent=state.served_model_names[0],
+                            max_model_len=engine.max_model_len)
+                  for lora in (state.lora_registry.list() if state.lora_registry else ())]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions",

@@ -79,6 +79,12 @@ def register(subparsers) -> None:
                    help="where the Batch API (/v1/files, /v1/batches) keeps its files and "
                         "checkpoints; a restart resumes unfinished batches (default: a "
                         "temporary directory)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served as `model` NAME, with "
+                        "--enable-lora; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     p.add_argument("--log-level", default="info",
@@ -163,6 +169,7 @@ def run_server(args: argparse.Namespace) -> int:
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.entrypoints.openai.api_server import build_app
     from llmserve.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from llmserve.entrypoints.openai.serving_lora import parse_lora_modules
     from llmserve.loader.source import DEFAULT_MODEL_NAME
 
     if args.model_tag is not None:
@@ -171,6 +178,9 @@ def run_server(args: argparse.Namespace) -> int:
     logging.getLogger("llmserve").setLevel(level.upper())
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    lora_modules = parse_lora_modules(args.lora_modules)  # ValueError: malformed
+    if (lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -200,7 +210,8 @@ def run_server(args: argparse.Namespace) -> int:
                     public_metrics=args.allow_unauthenticated_metrics,
                     on_load_failure=on_failure, on_ready=on_ready,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    batch_dir=args.batch_dir,
+                    batch_dir=args.batch_dir, lora_modules=lora_modules,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                     tool_call_parser=(None if args.tool_call_parser == "none"
                                       else args.tool_call_parser))
     config = uvicorn.Config(app, host=host, port=port, log_level=level,

@@ -197,7 +197,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, self.check_length(len(prompt_ids), requested, field),
                                       num_top, structured=structured)
         request_id = random_id("chatcmpl")
-        prompt = PromptInput(prompt_ids, cache_salt=req.cache_salt)
+        prompt = PromptInput(prompt_ids, cache_salt=req.cache_salt,
+                             lora_request=self.lora_request_for(model))
         streams = await self.start(request_id, [(prompt, params)], req.n, req.priority)
         created = int(time.time())
         if req.stream:

@@ -147,8 +147,10 @@ class OpenAIServingCompletion(OpenAIServing):
         single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
         self.check_capacity(best_of * (1 if single else max(len(req.prompt), 1)))
         prompts = await self.run_tokenizer(self._prompts, req.prompt)
+        lora = self.lora_request_for(model)
         for p in prompts:
             p.cache_salt = req.cache_salt
+            p.lora_request = lora
         # best_of ranks candidates by cumulative logprob, which needs logprobs
         logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
         jobs = [(p, self.sampling_params(req, self.check_length(len(p.token_ids), max_tokens),

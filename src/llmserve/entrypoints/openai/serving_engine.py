@@ -100,11 +100,14 @@ class PromptInput:
     token_ids: list[int]
     text: str | None = None
     cache_salt: str | None = None
+    lora_request: Any = None  # the LoRA adapter the request's `model` names (serving_lora)
 
     def as_engine_prompt(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
         if self.cache_salt is not None:
             prompt["cache_salt"] = self.cache_salt
+        if self.lora_request is not None:
+            prompt["lora_request"] = self.lora_request
         return prompt
 
 
@@ -207,12 +210,23 @@ class OpenAIServing:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    lora_registry: Any = None  # a serving_lora.LoRARegistry (--enable-lora), else None
+
+    def lora_request_for(self, model: str | None) -> Any:
+        """The LoRA adapter served as ``model`` (None: the base model)."""
+        return None if self.lora_registry is None else self.lora_registry.get(model)
+
     def model_name(self, requested: str | None) -> str:
-        """The name to report. Raises APIError 404 for a model we do not serve."""
+        """The name to report. Raises APIError 404 for a model we do not serve
+        (neither a served name nor a LoRA adapter's)."""
         if requested is None or requested in self.served_model_names:
             return requested or self.served_model_names[0]
+        if self.lora_request_for(requested) is not None:
+            return requested
+        adapters = [r.lora_name for r in self.lora_registry.list()] if self.lora_registry \
+            else []
         raise APIError(404, f"The model `{requested}` does not exist. Served: "
-                            f"{', '.join(self.served_model_names)}",
+                            f"{', '.join(self.served_model_names + adapters)}",
                        "invalid_request_error", "model", "model_not_found")
 
     def check_capacity(self, num_seqs: int) -> None:
