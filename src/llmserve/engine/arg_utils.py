@@ -12,6 +12,7 @@ from llmserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from llmserve.layers.quantization import QUANTIZATION_METHODS
@@ -125,6 +126,11 @@ class EngineArgs:
     speculative_config: object = None
     kv_store: str | None = None  # redis://HOST:PORT/DB: the shared KV cache store
     kv_store_ttl: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -181,6 +187,18 @@ class EngineArgs:
         g.add_argument("--kv-store-ttl", type=int, default=None, metavar="SECONDS",
                        help="expire blocks in the KV store after this many seconds "
                             "(default: never; Redis's maxmemory policy evicts)")
+        p = parser.add_argument_group("parallelism")
+        p.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split every layer over this many processes (torch.distributed, "
+                            "gloo on CPU); must divide the query heads")
+        p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                       help="pipeline stages (only 1 today)")
+        p.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas (only 1 today)")
+        p.add_argument("--enable-expert-parallel", action="store_true", default=False,
+                       help="shard MoE experts instead of splitting each (not yet)")
+        p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
+                       help="how the ranks are started: mp = processes on this machine")
         return parser
 
     @classmethod
@@ -235,4 +253,10 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode),
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
             extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
-            speculative_config=SpeculativeConfig.from_value(self.speculative_config))
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=bool(self.enable_expert_parallel),
+                distributed_executor_backend=self.distributed_executor_backend))
