@@ -125,7 +125,8 @@ class WorkerProcesses:
         Raises:
             RankFailedError: a worker reported an error, exited, or missed the timeout.
         """
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         pending = set(self.procs)
         while pending:
             for rank in sorted(pending):
@@ -142,7 +143,7 @@ class WorkerProcesses:
             if pending and time.monotonic() > deadline:
                 raise self._fail(RankFailedError(
                     min(pending), f"was not {stage} within the start-up timeout of "
-                                  f"{self.timeout_s:g} s (ranks not {stage}: {sorted(pending)})"))
+                                  f"{limit:g} s (ranks not {stage}: {sorted(pending)})"))
             if pending:
                 time.sleep(POLL_S)
 

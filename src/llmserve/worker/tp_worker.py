@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -117,6 +118,8 @@ class DriverRunner(ModelRunner):
         self.executor = executor
         self._sampled: dict[str, int] = {}
         self._dropped: list[str] = []
+        self.broadcast_s = 0.0  # time spent sending steps (benchmarks/tensor_parallel.py)
+        self.num_broadcasts = 0
 
     def drop_request(self, req_id: str) -> None:
         super().drop_request(req_id)
@@ -125,13 +128,18 @@ class DriverRunner(ModelRunner):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast the step, run it; any failure -> :class:`RankFailedError`."""
         try:
+            t0 = time.perf_counter()
             self.executor.broadcast((_strip_for_followers(sched), self._sampled, self._dropped))
+            self.broadcast_s += time.perf_counter() - t0
+            self.num_broadcasts += 1
             self._sampled, self._dropped = {}, []
             out = super().execute_model(sched)
         except RankFailedError:
+            self.executor.workers.shutdown()
             raise
         except Exception as e:
             failure = self.executor.workers.failure(wait_s=2.0)
+            self.executor.workers.shutdown()  # the others wait in a collective: stop them
             if failure is not None:
                 raise failure from e
             raise RankFailedError(0, f"failed a step: {type(e).__name__}: {e}") from e
