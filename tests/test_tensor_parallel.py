@@ -129,22 +129,54 @@ def reference(llm_fp32):
                           cache={"num_gpu_blocks_override": NUM_BLOCKS})
 
 
-def test_tp3_default_model_fp32_matches_single_process(reference):
-    ref = _outputs(reference)
-    ref_preempted = reference.engine.scheduler.stats.num_preemptions_total
+@pytest.fixture(scope="module")
+def tp3():
+    """The default model at tp=3 (9 query / 3 KV heads: 3 / 1 per rank), fp32; the
+    kill test below ends it."""
     llm = LLM(dtype="float32", tensor_parallel_size=3, num_gpu_blocks_override=NUM_BLOCKS,
               **SCHED)
-    try:
-        assert llm.engine.runner.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
-        out = _outputs(llm)
-        assert llm.engine.scheduler.stats.num_preemptions_total > 0 and ref_preempted > 0
-        single = _outputs(llm, PROMPTS[:1], 6)  # alone, unbatched
-    finally:
-        llm.engine.shutdown()
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_tp3_default_model_fp32_matches_single_process(reference, tp3):
+    ref = _outputs(reference)
+    ref_preempted = reference.engine.scheduler.stats.num_preemptions_total
+    assert tp3.engine.runner.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
+    out = _outputs(tp3)
+    assert tp3.engine.scheduler.stats.num_preemptions_total > 0 and ref_preempted > 0
+    single = _outputs(tp3, PROMPTS[:1], 6)  # alone, unbatched
     parted = check_logprobs_close(ref, out, "tp=1", "tp=3")
     assert parted <= 1, f"{parted} of {len(PROMPTS)} sequences parted at a near-tie"
     assert single[0].token_ids == ref[0].token_ids[:6]
     print(f"tp=3 vs tp=1 fp32: {len(PROMPTS)} prompts, {parted} parted at a near-tie")
+
+
+def test_rank_memory_agrees_with_the_planner(tp3):
+    """What rank 0 allocated (measured on its tensors) = what ``llmserve plan`` computes."""
+    from llmserve.planner.formats import parse_weight_format
+    from llmserve.planner.ledger import kv_cache_bytes_per_token, weight_bytes
+
+    mc = tp3.engine.config.model_config
+    mem = tp3.engine.rank_memory
+    assert mem["weights"] == weight_bytes(mc, parse_weight_format("fp32"), tp=3).total
+    assert mem["kv_cache"] == NUM_BLOCKS * 16 * kv_cache_bytes_per_token(mc, "float32", tp=3)
+    assert mem["weights"] < weight_bytes(mc, parse_weight_format("fp32")).total / 2
+
+
+def test_killed_rank_ends_the_offline_engine_naming_it(tp3):
+    pid = tp3.engine.executor.workers.pids[2]
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(RankFailedError, match="rank 2 was killed by SIGKILL"):
+            tp3.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4000,
+                                                              ignore_eos=True), use_tqdm=False)
+        assert not any(p.is_alive() for p in tp3.engine.executor.workers.procs.values())
+        with pytest.raises(RankFailedError, match="rank 2"):  # and stays dead
+            tp3.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        killer.cancel()
 
 
 def test_tp3_native_int4_matches_tp1_native():
@@ -193,22 +225,7 @@ def test_tp2_qwen05_fp32_matches_single_process(qwen05_gguf):
     print(f"Qwen2.5-0.5B tp=2 vs tp=1 fp32: {parted} of {len(prompts)} parted at a near-tie")
 
 
-# ------------------------------------------------------------------ faults
-def test_killed_rank_ends_offline_engine_with_its_name():
-    llm = LLM(dtype="float32", tensor_parallel_size=3, kv_cache_memory="64MiB")
-    pid = llm.engine.executor.workers.pids[2]
-    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
-    killer.start()
-    try:
-        with pytest.raises(RankFailedError, match="rank 2 was killed by SIGKILL"):
-            llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4000,
-                                                              ignore_eos=True), use_tqdm=False)
-        assert not any(p.is_alive() for p in llm.engine.executor.workers.procs.values())
-    finally:
-        killer.cancel()
-        llm.engine.shutdown()
-
-
+# ------------------------------------------------------------------ faults: server
 def test_killed_rank_makes_the_server_answer_503_and_exit_nonzero():
     httpx = pytest.importorskip("httpx")
     psutil = pytest.importorskip("psutil")

@@ -72,7 +72,10 @@ def _worker_entry(target: Callable[[int, dist.Store, Any], None], rank: int, wor
     try:
         target(rank, store, payload)
     except BaseException as e:  # report why, then exit non-zero
-        traceback.print_exc()
+        if isinstance(e, RankFailedError):  # it lost a peer: one line, not a traceback
+            print(f"llmserve rank {rank}: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         with contextlib.suppress(Exception):
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         sys.stderr.flush()

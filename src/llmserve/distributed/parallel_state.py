@@ -25,13 +25,15 @@ class GroupCoordinator:
     """One process group and this process's place in it.
 
     Args:
-        group: a ``torch.distributed`` process group (None: a single-rank group, every
-            collective is the identity).
+        group: a ``torch.distributed`` backend object (``ProcessGroupGloo`` /
+            ``ProcessGroupNCCL``) over exactly these ranks; None: a single-rank group,
+            every collective is the identity. No global default group is used, so one
+            process may hold several engines' groups.
         ranks: the world ranks of the group, in group-rank order.
         rank: this process's world rank.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int], rank: int) -> None:
+    def __init__(self, group, ranks: list[int], rank: int) -> None:
         self.group = group
         self.ranks = list(ranks)
         self.world_size = len(ranks)
@@ -45,10 +47,10 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         if x.dtype == torch.float32:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
             return x
         wide = x.float()
-        dist.all_reduce(wide, group=self.group)
+        self.group.allreduce([wide]).wait()
         return x.copy_(wide)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -58,7 +60,7 @@ class GroupCoordinator:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
     def all_reduce_min(self, value: int) -> int:
@@ -66,7 +68,9 @@ class GroupCoordinator:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([t], opts).wait()
         return int(t.item())
 
     def broadcast_object(self, obj: object = None) -> object:
@@ -74,18 +78,16 @@ class GroupCoordinator:
         length broadcast, then the bytes; as ``broadcast_object_list`` does)."""
         if self.world_size == 1:
             return obj
-        src = self.ranks[0]
         if self.is_first_rank:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            dist.broadcast(size, src, group=self.group)
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(data, src, group=self.group)
+            self.group.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0).wait()
+            self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                                 0).wait()
             return obj
         size = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(size, src, group=self.group)
+        self.group.broadcast(size, 0).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(data, src, group=self.group)
+        self.group.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
 
@@ -112,8 +114,9 @@ class ParallelGroups:
 def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
                          backend: str = "gloo",
                          timeout_s: float = 600.0) -> ParallelGroups:
-    """Join the world over ``store`` and build the tp/pp groups (collective: every rank
-    calls it with the same config).
+    """Build this rank's tp and pp groups over ``store`` (collective: every rank of the
+    world calls it with the same config). Each group is its own backend object over a
+    ``PrefixStore`` (``"tp<i>/"``, ``"pp<i>/"``); no default group is created.
 
     Args:
         config: the parallel layout; ``world_size = tp x pp``.
@@ -124,24 +127,27 @@ def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
     """
     world = config.world_size
     tp_size = config.tensor_parallel_size
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    tp_ranks = [r for r in range(world) if r // tp_size == rank // tp_size]
-    pp_ranks = [r for r in range(world) if r % tp_size == rank % tp_size]
-    tp_group = dist.group.WORLD if len(tp_ranks) == world else _new_groups(
-        [[p * tp_size + t for t in range(tp_size)] for p in range(world // tp_size)], rank)
-    pp_group = dist.group.WORLD if len(pp_ranks) == world else (
-        None if len(pp_ranks) == 1 else _new_groups(
-            [[p * tp_size + t for p in range(world // tp_size)] for t in range(tp_size)], rank))
+    tp_index, pp_index = rank // tp_size, rank % tp_size
+    tp_ranks = [tp_index * tp_size + t for t in range(tp_size)]
+    pp_ranks = [p * tp_size + pp_index for p in range(world // tp_size)]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    tp_group = _backend(backend, dist.PrefixStore(f"tp{tp_index}/", store),
+                        tp_ranks.index(rank), len(tp_ranks), timeout)
+    pp_group = _backend(backend, dist.PrefixStore(f"pp{pp_index}/", store),
+                        pp_ranks.index(rank), len(pp_ranks), timeout)
     return ParallelGroups(rank, world, GroupCoordinator(tp_group, tp_ranks, rank),
                           GroupCoordinator(pp_group, pp_ranks, rank))
 
 
-def _new_groups(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup:
-    """Every rank creates every group (``new_group`` is collective); returns its own."""
-    mine = None
-    for ranks in all_ranks:
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine = g
-    return mine
+def _backend(backend: str, store: dist.Store, rank: int, size: int,
+             timeout: datetime.timedelta):
+    """A gloo or NCCL process group over ``size`` ranks (None for one rank)."""
+    if size == 1:
+        return None
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unknown torch.distributed backend {backend!r}; expected gloo or nccl")

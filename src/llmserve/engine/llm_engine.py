@@ -85,7 +85,7 @@ class LLMEngine:
 
             self.num_blocks = num_blocks = executor.agree_kv_blocks(num_blocks, num_host_blocks)
             self.runner = DriverRunner(config, model, num_blocks, num_host_blocks, executor)
-            log_rank_memory(0, model, num_blocks, config, self.kv_bytes_per_token)
+            self.rank_memory = log_rank_memory(0, self.runner)  # bytes this rank allocated
         else:
             self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
         self.spec_decoding_stats = None

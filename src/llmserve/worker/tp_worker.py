@@ -25,6 +25,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
@@ -57,9 +58,11 @@ def _strip_for_followers(sched: SchedulerOutput) -> SchedulerOutput:
 class TPExecutor:
     """The driver's handle on its worker processes and groups (built by :meth:`start`)."""
 
-    def __init__(self, workers: WorkerProcesses, groups: ParallelGroups) -> None:
+    def __init__(self, workers: WorkerProcesses, groups: ParallelGroups,
+                 threads_before: int) -> None:
         self.workers, self.groups = workers, groups
         self._closed = False
+        self._threads_before = threads_before
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource, quantization: str) -> TPExecutor:
@@ -70,6 +73,8 @@ class TPExecutor:
             RankFailedError: a rank failed to start or missed the start-up timeout.
         """
         pc = config.parallel_config
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads_before // pc.world_size))  # as each worker does
         workers = WorkerProcesses(run_worker, (config, source, quantization), pc.world_size,
                                   pc.startup_timeout_s)
         try:
@@ -77,8 +82,9 @@ class TPExecutor:
             groups = init_parallel_groups(pc, 0, workers.store, "gloo", STEP_TIMEOUT_S)
         except BaseException:
             workers.shutdown()
+            torch.set_num_threads(threads_before)
             raise
-        return cls(workers, groups)
+        return cls(workers, groups, threads_before)
 
     def agree_kv_blocks(self, num_blocks: int, num_host_blocks: int) -> int:
         """Wait until every rank is ready, then the smallest block count of all ranks
@@ -105,8 +111,7 @@ class TPExecutor:
             with contextlib.suppress(Exception):  # a follower is gone: terminated below
                 self.groups.tp.broadcast_object(None)
         self.workers.shutdown()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
 
 
 class DriverRunner(ModelRunner):
@@ -176,19 +181,26 @@ def kv_block_counts(config: EngineConfig, bytes_per_token: int) -> tuple[int, in
     return blocks, host
 
 
-def log_rank_memory(rank: int, model, num_blocks: int, config: EngineConfig,
-                    bytes_per_token: int) -> None:
-    """The per-rank memory line (``llmserve plan`` computes the same figures)."""
-    kv = num_blocks * config.cache_config.block_size * bytes_per_token
-    logger.info("rank %d: weights %s, KV cache %s (%d blocks x %d tokens, %d B/token)", rank,
-                format_size(model_weight_bytes(model)), format_size(kv), num_blocks,
-                config.cache_config.block_size, bytes_per_token)
+def log_rank_memory(rank: int, runner: ModelRunner) -> dict[str, int]:
+    """Log and return what this rank allocated, measured on its tensors: ``weights``
+    (parameters plus packed native weights) and ``kv_cache`` (the K and V pages of every
+    layer), in bytes. ``llmserve plan`` computes the same figures for the same tp
+    (tests/test_tensor_parallel.py checks they agree)."""
+    kv = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    weights = model_weight_bytes(runner.model)
+    logger.info("rank %d: weights %s (%d B), KV cache %s (%d B: %d blocks x %d tokens)", rank,
+                format_size(weights), weights, format_size(kv), kv, runner.num_blocks,
+                runner.block_size)
+    return {"weights": weights, "kv_cache": kv}
 
 
 def run_worker(rank: int, store: dist.Store, payload: tuple) -> None:
     """A follower rank's life: join the groups, load the shard, allocate the agreed KV
     cache, then follow the driver's steps until it sends ``None``."""
     config, source, quantization = payload
+    # the ranks share this machine's cores: one rank's matmul threads must not starve
+    # the others (each all-reduce waits for the slowest rank)
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel_config.world_size))
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(message)s")
     from llmserve.planner.ledger import kv_cache_bytes_per_token
 
@@ -201,15 +213,17 @@ def run_worker(rank: int, store: dist.Store, payload: tuple) -> None:
     num_blocks = groups.tp.all_reduce_min(blocks)
     num_host_blocks = groups.tp.broadcast_object(None)
     runner = FollowerRunner(config, model, num_blocks, num_host_blocks)
-    log_rank_memory(rank, model, num_blocks, config, bytes_per_token)
+    log_rank_memory(rank, runner)
     while True:
-        msg = groups.tp.broadcast_object(None)
-        if msg is None:
-            break
-        sched, sampled, dropped = msg
-        runner.follow(sampled, dropped)
-        runner.execute_model(sched)
-    dist.destroy_process_group()
+        try:
+            msg = groups.tp.broadcast_object(None)
+            if msg is None:
+                break
+            sched, sampled, dropped = msg
+            runner.follow(sampled, dropped)
+            runner.execute_model(sched)
+        except RuntimeError as e:  # a collective broke: the driver or a peer is gone
+            raise RankFailedError(rank, f"stops: a peer left mid-step ({e})") from None
 
 
 __all__ = ["DriverRunner", "FollowerRunner", "TPExecutor", "run_worker"]
