@@ -412,6 +412,92 @@ class SchedulerConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over processes (vLLM's names).
+
+    ``tensor_parallel_size`` (tp): ranks that split every layer (Megatron-LM column /
+    row parallel linears, vocab-parallel embedding); ``pipeline_parallel_size`` (pp):
+    stages of consecutive layers; ``data_parallel_size`` (dp): engine replicas;
+    ``enable_expert_parallel``: shard MoE experts over ``tp x dp`` ranks instead of
+    splitting each expert. ``distributed_executor_backend``: ``"mp"`` (worker
+    processes on this machine). ``startup_timeout_s``: seconds every rank has to join
+    and load its shard before the engine gives up (naming the missing ranks).
+    Validation against a model: :meth:`check_model`. Only tp > 1 runs today.
+
+    Raises:
+        ValueError: a size that is not a positive integer, an unknown backend.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{list(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s!r}")
+        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size and data_parallel_size > 1 are not "
+                             "supported yet (tensor_parallel_size is)")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one engine: ``tp x pp`` (dp replicas are separate engines)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Validate ``tensor_parallel_size`` against ``model`` (vLLM's rules, the planner's
+        :func:`~llmserve.planner.ledger.check_parallel`): it divides the query heads, and
+        divides the KV heads or is a multiple of them (then each KV head is replicated on
+        ``tp / num_kv_heads`` ranks); it divides ``intermediate_size``. MoE models are not
+        split yet.
+
+        Raises:
+            ValueError: naming the sizes that work for this model.
+        """
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        why = _tp_mismatch(model, tp)
+        if why is not None:
+            works = [n for n in range(1, model.num_attention_heads + 1)
+                     if _tp_mismatch(model, n) is None]
+            raise ValueError(f"tensor_parallel_size={tp} does not fit {model.architecture}: "
+                             f"{why}; sizes that work: {', '.join(map(str, works))}")
+        if model.num_experts:
+            raise ValueError("tensor_parallel_size > 1 is not supported for mixture-of-experts "
+                             "models yet")
+
+
+def _tp_mismatch(model: ModelConfig, tp: int) -> str | None:
+    """Why ``tp`` cannot split ``model`` (None when it can): the planner's rules, plus
+    ``intermediate_size % tp == 0`` for the column-parallel MLP."""
+    from llmserve.planner.ledger import check_parallel
+    from llmserve.planner.model import as_planner_model
+
+    try:
+        check_parallel(as_planner_model(model), tp, 1)
+    except ValueError as e:
+        return str(e)
+    if model.intermediate_size % tp:
+        return f"tp={tp} does not divide intermediate_size {model.intermediate_size}"
+    return None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA limits (vLLM's ``--enable-lora`` options).
@@ -458,8 +544,17 @@ class EngineConfig:
     deterministic: bool = False
     speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
     lora_config: LoRAConfig | None = None  # multi-LoRA (--enable-lora), None = off
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        self.parallel_config.check_model(self.model_config)
+        if self.parallel_config.world_size > 1 and (
+                self.speculative_config is not None or self.cache_config.kv_store is not None):
+            raise ValueError("tensor_parallel_size > 1 does not support speculative decoding "
+                             "or the shared KV store (--kv-store) yet")
+        if self.parallel_config.world_size > 1 and self.lora_config is not None:
+            raise ValueError("tensor_parallel_size > 1 does not support LoRA adapters "
+                             "(--enable-lora) yet")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.scheduler_config.max_model_len <= 0:

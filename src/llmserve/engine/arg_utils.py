@@ -13,6 +13,7 @@ from llmserve.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from llmserve.layers.quantization import QUANTIZATION_METHODS
@@ -130,6 +131,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -193,6 +199,18 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in memory (default: --max-loras)")
+        p = parser.add_argument_group("parallelism")
+        p.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split every layer over this many processes (torch.distributed, "
+                            "gloo on CPU); must divide the query heads")
+        p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                       help="pipeline stages (only 1 today)")
+        p.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas (only 1 today)")
+        p.add_argument("--enable-expert-parallel", action="store_true", default=False,
+                       help="shard MoE experts instead of splitting each (not yet)")
+        p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
+                       help="how the ranks are started: mp = processes on this machine")
         return parser
 
     @classmethod
@@ -256,4 +274,10 @@ class EngineArgs:
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
             extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
-            lora_config=self._lora_config())
+            lora_config=self._lora_config(),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=bool(self.enable_expert_parallel),
+                distributed_executor_backend=self.distributed_executor_backend))

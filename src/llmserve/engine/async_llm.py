@@ -41,10 +41,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from llmserve.distributed.multiproc import RankFailedError
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.engine.output_processor import RequestOutputKind
 from llmserve.engine.request_stream import (
+    EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
     EngineStepError,
@@ -56,7 +58,7 @@ from llmserve.metrics.stats import EngineStatsSnapshot, IterationStats, StatLogg
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineOverloadedError", "EngineShutdownError", "EngineStepError",
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "EngineStepError",
            "NewRequest", "RequestStream", "merge_delta"]
 
 logger = logging.getLogger("llmserve.async_llm")
@@ -79,6 +81,8 @@ class AsyncLLM:
         self._cv = threading.Condition()
         self._commands: list[tuple[str, Any]] = []  # guarded by _cv
         self._stopping = False  # guarded by _cv
+        self.fatal_error: BaseException | None = None  # why the engine died, if it did
+        self.on_fatal_error: Any = None  # called (engine thread) with that error
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
         self._admitted: set[str] = set()  # ids accepted and not yet ended; _streams_lock
         self._streams_lock = threading.Lock()
@@ -240,6 +244,8 @@ class AsyncLLM:
             self._cv.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        with contextlib.suppress(Exception):  # tensor-parallel worker processes
+            self.engine.shutdown()
         store = getattr(self.engine, "kv_store", None)
         if store is not None:  # finish the queued KV store writes
             store.close()
@@ -283,6 +289,9 @@ class AsyncLLM:
             outputs: list[RequestOutput] = []
             try:
                 idle_step = self._iteration(commands, stopping, outputs)
+            except RankFailedError as e:  # a tensor-parallel rank is gone: stop for good
+                self._die(e, outputs)
+                return
             except Exception as e:  # never let one bad step or command kill the loop
                 logger.exception("engine iteration failed; aborting the requests in flight")
                 self._abort_all(outputs, EngineStepError(f"engine step failed: {e!r}"),
@@ -291,6 +300,24 @@ class AsyncLLM:
                 idle_step = False
             if stopping:
                 return
+
+    def _die(self, error: RankFailedError, outputs: list[RequestOutput]) -> None:
+        """Fail every request with :class:`EngineDeadError` (503), stop accepting work,
+        stop the other ranks, then call ``on_fatal_error`` (the server exits non-zero)."""
+        logger.error("the engine died: %s", error)
+        self.fatal_error = error
+        with self._cv:
+            self._stopping = True
+            commands, self._commands = self._commands, []
+        for kind, payload in commands:  # adds queued meanwhile: refused (503), never lost
+            if kind == "add":
+                self._apply_add(payload, True)
+        self._abort_all(outputs, EngineDeadError(f"the engine died: {error}"), as_error=True)
+        self._publish(outputs, False)
+        with contextlib.suppress(Exception):
+            self.engine.shutdown()
+        if self.on_fatal_error is not None:
+            self.on_fatal_error(error)
 
     def _iteration(self, commands: list[tuple[str, Any]], stopping: bool,
                    outputs: list[RequestOutput]) -> bool:

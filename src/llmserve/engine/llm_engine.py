@@ -11,21 +11,16 @@ from typing import Any
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.distributed.multiproc import RankFailedError
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.kv_store_io import build_kv_store, write_new_blocks
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.kv_cache import KVCacheManager
-from llmserve.layers.batch_invariant import make_batch_invariant
-from llmserve.layers.quantization import resolve_quantization
 from llmserve.loader import (
-    checkpoint_quantization,
-    iter_weights,
     load_model_config,
     resolve_model,
 )
-from llmserve.loader.gguf_loader import gguf_tensor_types
 from llmserve.lora import LoRARequest
-from llmserve.models import get_model_class
 from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
@@ -33,6 +28,7 @@ from llmserve.scheduler import Request, RequestStatus, Scheduler
 from llmserve.structured_output import GrammarCompilerCache
 from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
+from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger("llmserve")
@@ -47,8 +43,9 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer, model: torch.nn.Module,
-                 draft_model: torch.nn.Module | None = None) -> None:
+                 draft_model: torch.nn.Module | None = None, executor=None) -> None:
         self.config = config
+        self.executor = executor  # a worker.tp_worker.TPExecutor under tensor parallelism
         self.tokenizer = tokenizer
         mc = config.model_config
         eos = set(mc.eos_token_ids)
@@ -56,7 +53,8 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         cc = config.cache_config
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.dtype)
+        tp = config.parallel_config.tensor_parallel_size
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.dtype, tp)  # per rank
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         if cc.num_gpu_blocks_override is not None:
@@ -83,7 +81,14 @@ class LLMEngine:
             logger.info("swap space: %d host blocks (%s)", num_host_blocks,
                         format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
         self.num_host_blocks = num_host_blocks
-        self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
+        if executor is not None:  # every rank allocates the smallest count of all ranks
+            from llmserve.worker.tp_worker import DriverRunner, log_rank_memory
+
+            self.num_blocks = num_blocks = executor.agree_kv_blocks(num_blocks, num_host_blocks)
+            self.runner = DriverRunner(config, model, num_blocks, num_host_blocks, executor)
+            self.rank_memory = log_rank_memory(0, self.runner)  # bytes this rank allocated
+        else:
+            self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
         self.lora_manager = None
         if config.lora_config is not None:  # wraps the projections (llmserve/lora/)
             from llmserve.lora.manager import LoRAModelManager
@@ -132,25 +137,19 @@ class LLMEngine:
         model_config = load_model_config(source)
         config = args.create_engine_config(model_config, source.name)
         model_config = config.model_config  # with the served max_model_len
-        quant = resolve_quantization(
-            args.quantization, model_kind=source.kind, dtype=config.dtype, device=config.device,
-            checkpoint=checkpoint_quantization(source),
-            gguf_types=set(gguf_tensor_types(source.path).values()) if source.kind == "gguf"
-            else None,
-            deterministic=config.deterministic)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        tokenizer = load_tokenizer(source)
-        model_cls = get_model_class(model_config.architecture)
-        with torch.device(config.device):
-            model = model_cls(model_config, TORCH_DTYPES[config.dtype], config.attention_backend)
-        # a quantization method replaces the layers' matmuls; the model code is unchanged
-        model.load_weights(iter_weights(source, model_config, quantization=quant))
-        if quant is not None:
-            quant.process_model(model)
-        if config.deterministic:  # dense layers: fixed-shape row chunks (batch_invariant.py)
-            make_batch_invariant(model)
-        model.eval()
+        executor = None
+        if config.parallel_config.world_size > 1:  # spawn the other ranks; they load too
+            from llmserve.worker.tp_worker import TPExecutor
+
+            executor = TPExecutor.start(config, source, args.quantization)
+        try:
+            tokenizer = load_tokenizer(source)
+            model, quant = load_model(config, source, args.quantization,
+                                      executor.groups.tp if executor else None)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
         logger.info("loaded %s (%s, %s, weights %s) in %.1f s", source.name,
                     model_config.architecture, config.dtype, quant.name if quant else "dense",
                     time.perf_counter() - t0)
@@ -160,7 +159,7 @@ class LLMEngine:
             from llmserve.spec_decode.draft_model import load_draft_model
 
             draft_model = load_draft_model(config, tokenizer)
-        return cls(config, tokenizer, model, draft_model)
+        return cls(config, tokenizer, model, draft_model, executor=executor)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -325,6 +324,11 @@ class LLMEngine:
                 outs.append(out)
         return outs
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op for one process)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -377,6 +381,8 @@ class LLMEngine:
                        for r in sched_out.scheduled_new_reqs}
         try:
             runner_out = self.runner.execute_model(sched_out)
+        except RankFailedError:  # a tensor-parallel rank is gone: the engine cannot go on
+            raise
         except Exception:  # never let one bad batch kill the engine
             logger.exception("model step failed; aborting the %d requests in it",
                              len(sched_out.num_scheduled_tokens))

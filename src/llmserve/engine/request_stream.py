@@ -24,6 +24,10 @@ class EngineShutdownError(RuntimeError):
     """The engine was shut down (or is shutting down); no new requests."""
 
 
+class EngineDeadError(EngineShutdownError):
+    """The engine stopped for good (a tensor-parallel rank died); the server answers 503."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Admitting the requests would exceed ``max_num_admitted``; nothing was queued."""
 

@@ -67,6 +67,8 @@ class ModelRunner:
         num_blocks: KV cache blocks per layer (block 0 is the null block).
     """
 
+    is_driver = True  # False on tensor-parallel followers: they compute, rank 0 samples
+
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
                  num_host_blocks: int = 0) -> None:
         self.config = config
@@ -80,7 +82,9 @@ class ModelRunner:
         self.eos_token_ids = set(mc.eos_token_ids)
         # the step-wide window the model asks for (None when its layers carry their own)
         self.sliding_window = getattr(model, "sliding_window", mc.sliding_window)
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        # this rank's KV heads (a tensor-parallel shard holds max(1, kv_heads / tp))
+        shape = (num_blocks, self.block_size, getattr(model, "num_kv_heads",
+                                                      mc.num_key_value_heads), mc.head_dim)
         # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -255,6 +259,8 @@ class ModelRunner:
         if not sample_states:
             return out
         logits = self.model.compute_logits(hidden[logits_idx])  # [num_reqs_sampled, vocab]
+        if not self.is_driver:
+            return out
         metadata = build_sampling_metadata(
             [s.sampling_params for s in sample_states],
             [s.token_ids[:s.num_prompt_tokens] for s in sample_states],

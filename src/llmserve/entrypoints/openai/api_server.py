@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llmserve import __version__
 from llmserve.engine.arg_utils import EngineArgs
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, EngineShutdownError
 from llmserve.entrypoints.batch.api import install_batch_api
 from llmserve.entrypoints.openai.kv_digest import DIGEST_PATH, install_kv_digest
 from llmserve.entrypoints.openai.middleware import (
@@ -94,6 +94,7 @@ class ServerState:
         self.chat: OpenAIServingChat | None = None
         self.ready = False
         self.load_error: str | None = None
+        self.fatal_error: str | None = None  # the engine died after loading
         self.exit_code = 0
         # one thread: HF fast tokenizers are used from one thread here (as in vLLM)
         self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-tokenizer")
@@ -114,6 +115,8 @@ class ServerState:
             raise service_unavailable(f"the model failed to load: {self.load_error}")
         if not self.ready or self.engine is None:
             raise service_unavailable("the model is still loading; retry when /health is 200")
+        if self.engine.fatal_error is not None:
+            raise service_unavailable(f"the engine died: {self.engine.fatal_error}")
         if not self.engine.is_running:
             raise service_unavailable("the engine is not running (shutting down)")
         return self.engine
@@ -154,6 +157,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(exc.status_code, str(exc.detail), kind, None,
                                      exc.status_code).body(), exc.status_code)
+
+    @app.exception_handler(EngineShutdownError)
+    async def _engine_gone(_: Request, exc: EngineShutdownError) -> JSONResponse:
+        return JSONResponse(service_unavailable(str(exc)).body(), 503)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -214,6 +221,12 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
                 on_load_failure()
             return
         state.attach(engine)
+
+        def on_fatal_error(error: BaseException) -> None:  # a rank died: exit non-zero
+            state.fatal_error, state.exit_code = str(error), 1
+            if on_load_failure is not None:
+                on_load_failure()
+        engine.on_fatal_error = on_fatal_error
         if on_ready is not None:
             on_ready(engine)
 

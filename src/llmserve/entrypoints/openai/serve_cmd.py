@@ -232,7 +232,10 @@ def run_server(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
     code = app.state.server.exit_code
-    if code:
+    if code and app.state.server.fatal_error is not None:
+        print(f"llmserve serve: error: the engine died: {app.state.server.fatal_error}",
+              file=sys.stderr)
+    elif code:
         print(f"llmserve serve: error: the model failed to load: "
               f"{app.state.server.load_error}", file=sys.stderr)
     return code

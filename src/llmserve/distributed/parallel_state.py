@@ -1,0 +1,153 @@
+"""Process groups built from one :class:`~llmserve.config.ParallelConfig`.
+
+Rank layout (vLLM's ``parallel_state``: tp is the fastest-varying index)::
+
+    world rank = pp_rank * tp_size + tp_rank        tp=2, pp=1:  ranks 0 1 = one tp group
+
+Collectives run over ``torch.distributed`` (gloo on CPU, NCCL on CUDA) on the group a
+:class:`GroupCoordinator` wraps. Rank 0 is the *driver*: it runs the scheduler and
+the sampler; the other ranks follow the steps it broadcasts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llmserve.config import ParallelConfig
+
+
+class GroupCoordinator:
+    """One process group and this process's place in it.
+
+    Args:
+        group: a ``torch.distributed`` backend object (``ProcessGroupGloo`` /
+            ``ProcessGroupNCCL``) over exactly these ranks; None: a single-rank group,
+            every collective is the identity. No global default group is used, so one
+            process may hold several engines' groups.
+        ranks: the world ranks of the group, in group-rank order.
+        rank: this process's world rank.
+    """
+
+    def __init__(self, group, ranks: list[int], rank: int) -> None:
+        self.group = group
+        self.ranks = list(ranks)
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(rank)
+        self.is_first_rank = self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns it. Reduced in float32 whatever
+        ``x``'s dtype (gloo has no bfloat16 sum; fp32 also keeps the partial sums of a
+        row-parallel matmul from being rounded twice)."""
+        if self.world_size == 1:
+            return x
+        if x.dtype == torch.float32:
+            self.group.allreduce([x]).wait()
+            return x
+        wide = x.float()
+        self.group.allreduce([wide]).wait()
+        return x.copy_(wide)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim``, in
+        group-rank order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest ``value`` over the group (e.g. the KV block count)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Pickle ``obj`` on the group's first rank and return it on every rank (one
+        length broadcast, then the bytes; as ``broadcast_object_list`` does)."""
+        if self.world_size == 1:
+            return obj
+        if self.is_first_rank:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            self.group.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0).wait()
+            self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                                 0).wait()
+            return obj
+        size = torch.empty(1, dtype=torch.int64)
+        self.group.broadcast(size, 0).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+
+@dataclass
+class ParallelGroups:
+    """This process's groups: ``tp`` splits layers, ``pp`` chains stages (size 1 today)."""
+
+    rank: int
+    world_size: int
+    tp: GroupCoordinator
+    pp: GroupCoordinator
+
+    @property
+    def is_driver(self) -> bool:
+        """World rank 0: runs the scheduler and the sampler."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """The groups of a single-process engine (no torch.distributed)."""
+        return cls(0, 1, GroupCoordinator(None, [0], 0), GroupCoordinator(None, [0], 0))
+
+
+def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
+                         backend: str = "gloo",
+                         timeout_s: float = 600.0) -> ParallelGroups:
+    """Build this rank's tp and pp groups over ``store`` (collective: every rank of the
+    world calls it with the same config). Each group is its own backend object over a
+    ``PrefixStore`` (``"tp<i>/"``, ``"pp<i>/"``); no default group is created.
+
+    Args:
+        config: the parallel layout; ``world_size = tp x pp``.
+        rank: this process's world rank.
+        store: a rendezvous store every rank reaches (a ``TCPStore`` on loopback).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA, one process per device).
+        timeout_s: how long a collective may wait for a peer before it raises.
+    """
+    world = config.world_size
+    tp_size = config.tensor_parallel_size
+    tp_index, pp_index = rank // tp_size, rank % tp_size
+    tp_ranks = [tp_index * tp_size + t for t in range(tp_size)]
+    pp_ranks = [p * tp_size + pp_index for p in range(world // tp_size)]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    tp_group = _backend(backend, dist.PrefixStore(f"tp{tp_index}/", store),
+                        tp_ranks.index(rank), len(tp_ranks), timeout)
+    pp_group = _backend(backend, dist.PrefixStore(f"pp{pp_index}/", store),
+                        pp_ranks.index(rank), len(pp_ranks), timeout)
+    return ParallelGroups(rank, world, GroupCoordinator(tp_group, tp_ranks, rank),
+                          GroupCoordinator(pp_group, pp_ranks, rank))
+
+
+def _backend(backend: str, store: dist.Store, rank: int, size: int,
+             timeout: datetime.timedelta):
+    """A gloo or NCCL process group over ``size`` ranks (None for one rank)."""
+    if size == 1:
+        return None
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unknown torch.distributed backend {backend!r}; expected gloo or nccl")

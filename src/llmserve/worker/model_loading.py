@@ -1,0 +1,67 @@
+"""Build and load one rank's model: the same steps on the driver and on every worker."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.distributed.parallel_state import GroupCoordinator
+from llmserve.layers.batch_invariant import make_batch_invariant
+from llmserve.layers.quantization import resolve_quantization
+from llmserve.loader import ModelSource, checkpoint_quantization, iter_weights
+from llmserve.loader.gguf_loader import gguf_tensor_types
+from llmserve.models import get_model_class
+from llmserve.models.tensor_parallel import build_model_shard
+from llmserve.worker.model_runner import TORCH_DTYPES
+
+
+def load_model(config: EngineConfig, source: ModelSource, quantization: str,
+               tp: GroupCoordinator | None = None):
+    """``(model, quantization config or None)``: this rank's shard (the whole model when
+    ``tp`` is None or has one rank), weights loaded, quantization processed, eval mode.
+
+    Raises:
+        ValueError: an unsupported format or architecture, a bad weight.
+    """
+    mc = config.model_config
+    quant = resolve_quantization(
+        quantization, model_kind=source.kind, dtype=config.dtype, device=config.device,
+        checkpoint=checkpoint_quantization(source),
+        gguf_types=set(gguf_tensor_types(source.path).values()) if source.kind == "gguf"
+        else None,
+        deterministic=config.deterministic)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    model_cls = get_model_class(mc.architecture)
+    dtype = TORCH_DTYPES[config.dtype]
+    with torch.device(config.device):
+        if tp is None or tp.world_size == 1:
+            model = model_cls(mc, dtype, config.attention_backend)
+        else:
+            model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp)
+    # a quantization method replaces the layers' matmuls; the model code is unchanged
+    model.load_weights(iter_weights(source, mc, quantization=quant))
+    if quant is not None:
+        quant.process_model(model)
+    if config.deterministic:  # dense layers: fixed-shape row chunks (batch_invariant.py)
+        make_batch_invariant(model)
+    model.eval()
+    return model, quant
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's weights: dense parameters plus packed native weights."""
+    total, seen = 0, set()
+    for p in model.parameters():
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+        packed = getattr(p, "packed", None)
+        if packed is not None and hasattr(packed, "nbytes"):
+            total += packed.nbytes()
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        packed = getattr(qm, "packed", None)
+        if packed is not None and hasattr(packed, "nbytes"):
+            total += packed.nbytes()
+    return total
