@@ -181,3 +181,146 @@ def test_greedy_tokens_agree_with_full_precision_kv(llm_fp32, full_precision, fm
     share = _agreement(ref, _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)))
     print(f"{fmt}: greedy prefix agreement with float32 KV {share:.3f}")
     assert share >= bound
+
+
+@pytest.mark.model
+def test_capacity_planner_and_pool_count_the_smaller_pages(llm_fp32):
+    from llmserve.planner.ledger import kv_cache_bytes_per_token
+
+    mc = llm_fp32.engine.config.model_config
+    bf16 = kv_cache_bytes_per_token(mc, "bfloat16")
+    for fmt in ("int8", "fp8_e4m3"):  # 64 codes + a 2-byte scale per head row vs 128 bytes
+        assert kv_cache_bytes_per_token(mc, fmt) * 128 == bf16 * (mc.head_dim + 2)
+    sizes = {}
+    for kv in ("float32", "int8"):
+        llm = engine_variant(llm_fp32, cache={"kv_cache_dtype": kv,
+                                              "kv_cache_memory": 64 * 1024**2})
+        key_cache = llm.engine.runner.kv_caches[0][0]
+        sizes[kv] = llm.engine.num_blocks
+        assert key_cache.shape[0] == llm.engine.num_blocks
+        # the pool's real bytes are what the engine counted per token
+        layer_bytes = 2 * key_cache.numel() * key_cache.element_size()
+        assert layer_bytes * mc.num_hidden_layers == \
+            llm.engine.num_blocks * 16 * llm.engine.kv_bytes_per_token
+    assert sizes["int8"] >= 3.8 * sizes["float32"]  # 256 B vs 66 B per head row
+
+
+@pytest.fixture(scope="module")
+def det_base():
+    """The default model in batch-invariant mode (--deterministic): a token's bits do not
+    depend on its step, so prefix caching, chunking and preemption must give the same
+    tokens and logprobs exactly. (Without it the dense layers' float noise between batch
+    shapes flips a few int8 codes, as it flips low bits of float KV, and a greedy tie can
+    break differently: measured in test_greedy_tokens_agree_with_full_precision_kv.)"""
+    from llmserve import LLM
+
+    return LLM(deterministic=True, kv_cache_memory="64MiB", max_model_len=512)
+
+
+def _logprobs(outs) -> list:
+    return [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
+            for o in outs]
+
+
+@pytest.mark.model
+def test_prefix_caching_chunking_and_cow_keep_int8_tokens(det_base):
+    tok = det_base.get_tokenizer()
+    system = "You are a concise assistant. Answer in one short sentence. " * 3
+    prompts = [{"prompt_token_ids": tok.encode(system + q)}
+               for q in ("What is 2+2?", "Name a fruit.", "Define entropy.")]
+    no_cache = engine_variant(det_base, cache={"kv_cache_dtype": "int8",
+                                               "enable_prefix_caching": False})
+    ref = no_cache.generate(prompts, _greedy(8, logprobs=2), use_tqdm=False)
+    cached = engine_variant(det_base, scheduler={"max_num_seqs": 1, "max_num_batched_tokens": 24},
+                            cache={"kv_cache_dtype": "int8"})
+    outs = cached.generate(prompts, _greedy(8, logprobs=2), use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in outs[1:])  # the system prompt's blocks
+    assert _tokens(outs) == _tokens(ref)
+    assert _logprobs(outs) == _logprobs(ref)  # bit for bit
+    # n = 4 siblings recompute the prompt's last token in a shared block: copy-on-write
+    params = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)
+    out = no_cache.generate(prompts[0], params, use_tqdm=False)[0]
+    for i, comp in enumerate(out.outputs):
+        alone = SamplingParams(temperature=0.9, seed=7 + i, max_tokens=6, ignore_eos=True)
+        want = no_cache.generate(prompts[0], alone, use_tqdm=False)[0]
+        assert comp.token_ids == want.outputs[0].token_ids, i
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["int8"])  # (block moves are format-blind: whole rows)
+def test_swap_preemption_keeps_quantized_tokens(det_base, fmt):
+    tok = det_base.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(f"Chapter {i}. Once upon a time") * 3}
+               for i in range(3)]
+    plain = engine_variant(det_base, cache={"kv_cache_dtype": fmt,
+                                            "enable_prefix_caching": False})
+    ref = plain.generate(prompts, _greedy(20, logprobs=1), use_tqdm=False)
+    swap = engine_variant(det_base, scheduler={"preemption_mode": "swap", "max_model_len": 128},
+                          cache={"kv_cache_dtype": fmt, "num_gpu_blocks_override": 8,
+                                 "num_cpu_blocks_override": 64, "enable_prefix_caching": False})
+    host = swap.engine.runner.host_kv_caches[0][0]
+    assert host.dtype == QUANT_STORAGE[fmt] and host.shape[-1] == 64 + 2
+    outs = swap.generate(prompts, _greedy(20, logprobs=1), use_tqdm=False)
+    assert swap.engine.scheduler.stats.num_swapped_out_total > 0
+    assert _tokens(outs) == _tokens(ref) and _logprobs(outs) == _logprobs(ref)
+
+
+def test_deploy_spec_passes_kv_cache_dtype_to_the_real_cli():
+    import textwrap
+
+    from llmserve.deploy.local import worker_args
+    from llmserve.deploy.spec import parse_spec
+    from llmserve.engine.arg_utils import EngineArgs
+    from llmserve.entrypoints.cli import build_parser
+
+    for name, want in (("fp8", "fp8_e4m3"), ("int8", "int8"), ("fp8_e4m3", "fp8_e4m3")):
+        spec = parse_spec(textwrap.dedent(f"""\
+            name: demo
+            models:
+              - name: smollm2
+                kv_cache_dtype: {name}
+            """))
+        args = worker_args(spec.models[0])
+        assert args[args.index("--kv-cache-dtype") + 1] == name
+        parsed = build_parser().parse_args(["serve", *args])
+        engine_args = EngineArgs.from_cli_args(parsed)
+        assert CacheConfig(kv_cache_dtype=engine_args.kv_cache_dtype).kv_cache_dtype == want
+
+
+@pytest.mark.model
+def test_kv_store_carries_scales_and_never_crosses_kv_dtypes(det_base):
+    from tests.gateway_procs import start_redis
+
+    redis = start_redis()
+    try:
+        tok = det_base.get_tokenizer()
+        prefix = tok.encode("The history of the city begins with a small fishing village. "
+                            * 12)[:6 * 16]
+        prompt = {"prompt_token_ids": prefix + tok.encode(" What was built first?")}
+
+        def engine(kv: str, store: bool):
+            return engine_variant(det_base, cache={"kv_cache_dtype": kv,
+                                                   "kv_store": redis.url if store else None})
+
+        cold = engine("int8", False).generate(prompt, _greedy(6, logprobs=2), use_tqdm=False)
+        worker_a = engine("int8", True)
+        worker_a.generate(prompt, _greedy(2), use_tqdm=False)
+        store_a = worker_a.engine.kv_store
+        assert store_a.flush() and store_a.stats.writes >= 6
+        # one block: 30 layers x (K, V) x 16 tokens x 3 heads x (64 codes + 2 scale bytes)
+        assert store_a.layout.block_nbytes == 30 * 2 * 16 * 3 * 66
+        worker_b = engine("int8", True)
+        out = worker_b.generate(prompt, _greedy(6, logprobs=2), use_tqdm=False)
+        assert worker_b.engine.kv_store.stats.hits == 6 and out[0].num_cached_tokens == 96
+        assert _tokens(out) == _tokens(cold) and _logprobs(out) == _logprobs(cold)
+        # a worker at another KV dtype shares the Redis but never loads int8 pages
+        for kv in ("fp8_e4m3", "auto"):
+            other = engine(kv, True)
+            assert other.engine.kv_store.layout.namespace != store_a.layout.namespace
+            got = other.generate(prompt, _greedy(1), use_tqdm=False)[0]
+            assert got.num_cached_tokens == 0 and other.engine.kv_store.stats.hits == 0
+            other.engine.kv_store.close()
+        worker_b.engine.kv_store.close()
+        store_a.close()
+    finally:
+        redis.stop()

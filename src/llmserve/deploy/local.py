@@ -80,9 +80,6 @@ def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
     if m.speculative is not None:
         raise ValueError(f"models.{m.name}.speculative: `llmserve serve` has no speculative "
                          "decoding flags yet")
-    if m.kv_cache_dtype != "auto":
-        raise ValueError(f"models.{m.name}.kv_cache_dtype: `llmserve serve` has no KV cache "
-                         "dtype flag yet; use auto")
     args = ["--model", m.source, "--served-model-name", m.name, "--dtype", m.dtype,
             "--quantization", m.quantization, "--max-num-seqs", str(w.max_num_seqs),
             "--block-size", str(w.block_size), "--device", w.device,
@@ -93,6 +90,8 @@ def worker_args(m: ModelSpec, tuned: dict | None = None) -> list[str]:
         args += ["--max-num-batched-tokens", str(tuned["max_num_batched_tokens"])]
     if w.kv_cache_memory is not None and w.kv_cache_memory != "auto":
         args += ["--kv-cache-memory", str(w.kv_cache_memory)]
+    if m.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", m.kv_cache_dtype]
     elif w.kv_cache_memory == "auto" and tuned:
         args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
     if w.max_model_len is not None:
