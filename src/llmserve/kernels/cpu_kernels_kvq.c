@@ -195,9 +195,92 @@ static inline __attribute__((always_inline)) void kvq_attend_core(
     store_row(a->dtype, (char *)a->out + seq * H * D * es, acc, H * D);
 }
 
+#if defined(__AVX512F__)
+/* 16 codes -> 16 float32 lanes (unscaled) */
+static inline __m512 kvq_load16(const int fmt, const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (fmt == KVQ_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    __m512i x = _mm512_cvtepu8_epi32(b);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    __m512i e = _mm512_and_si512(_mm512_srli_epi32(x, 3), _mm512_set1_epi32(0xf));
+    __m512i m = _mm512_and_si512(x, _mm512_set1_epi32(7));
+    __m512i normal = _mm512_or_si512(
+        sign, _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                              _mm512_slli_epi32(m, 20)));
+    __m512i sub = _mm512_or_si512(
+        sign, _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m),
+                                                _mm512_set1_ps(0.001953125f))));
+    __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_sub, normal, sub));
+}
+
+/* kvq_attend_core with AVX-512 (head_dim a multiple of 16, at most 256): each position's
+ * rows are converted once into registers and used by every query head of their group. */
+static inline __attribute__((always_inline)) void kvq_attend_avx512(
+    const attn_args *a, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t D,
+    const int fmt) {
+    const size_t es = elem_size(a->dtype);
+    const int64_t H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
+    const int64_t L = a->seq_lens[seq];
+    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
+    const int64_t n = L - start;
+    const int64_t *table = a->block_table + seq * a->bt_stride;
+    const int64_t rb = D + 2, sb = Hkv * rb, V = D / 16;
+    const uint8_t *kc = (const uint8_t *)a->key_cache, *vc = (const uint8_t *)a->value_cache;
+    load_row(a->dtype, qbuf, (const char *)a->query + seq * a->q_stride * es, H * D);
+    slot_cursor cur = slots_from(table, bs, start);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *kp = kc + next_slot(&cur) * sb;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const uint8_t *r = kp + kvh * rb;
+            __m512 k[16];
+            for (int64_t v = 0; v < V; v++) k[v] = kvq_load16(fmt, r + v * 16);
+            const float s = kvq_scale_of(r, D) * a->scale;
+            for (int64_t g = 0; g < G; g++) {
+                const float *q = qbuf + (kvh * G + g) * D;
+                __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+                for (int64_t v = 1; v < V; v++)
+                    d = _mm512_fmadd_ps(_mm512_loadu_ps(q + v * 16), k[v], d);
+                scores[(kvh * G + g) * n + j] = _mm512_reduce_add_ps(d) * s;
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) softmax_inplace(scores + h * n, n);
+    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
+    cur = slots_from(table, bs, start);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *vp = vc + next_slot(&cur) * sb;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const uint8_t *r = vp + kvh * rb;
+            __m512 val[16];
+            for (int64_t v = 0; v < V; v++) val[v] = kvq_load16(fmt, r + v * 16);
+            const float s = kvq_scale_of(r, D);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(scores[(kvh * G + g) * n + j] * s);
+                float *o = acc + (kvh * G + g) * D;
+                for (int64_t v = 0; v < V; v++)
+                    _mm512_storeu_ps(o + v * 16,
+                                     _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(o + v * 16)));
+            }
+        }
+    }
+    store_row(a->dtype, (char *)a->out + seq * H * D * es, acc, H * D);
+}
+#endif
+
 static void kvq_attend_item(const attn_args *a, int fmt, int64_t seq, float *scores,
                             float *qbuf, float *kv, float *acc) {
     const int64_t D = a->head_dim;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 256) {
+        if (fmt == KVQ_INT8) {
+            if (D == 64) return kvq_attend_avx512(a, seq, scores, qbuf, acc, 64, KVQ_INT8);
+            return kvq_attend_avx512(a, seq, scores, qbuf, acc, D, KVQ_INT8);
+        }
+        if (D == 64) return kvq_attend_avx512(a, seq, scores, qbuf, acc, 64, KVQ_FP8);
+        return kvq_attend_avx512(a, seq, scores, qbuf, acc, D, KVQ_FP8);
+    }
+#endif
     if (fmt == KVQ_INT8) {
         if (D == 64) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 64, KVQ_INT8);
         if (D == 128) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 128, KVQ_INT8);
