@@ -328,6 +328,27 @@ def _hf_attention_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: ``--kv-cache-dtype`` values (vLLM's names); ``auto`` = the model dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+#: accepted aliases (vLLM: ``fp8`` means e4m3)
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "bf16": "bfloat16",
+                          "fp32": "float32"}
+
+
+def normalize_kv_cache_dtype(value: Any) -> str:
+    """The canonical ``kv_cache_dtype`` name (aliases resolved).
+
+    Raises:
+        ValueError: anything else, naming the allowed values.
+    """
+    name = value.strip().lower() if isinstance(value, str) else value
+    name = KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or fp8, "
+                         f"an alias of fp8_e4m3), got {value!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
@@ -341,6 +362,10 @@ class CacheConfig:
     ``kv_store``: a ``redis://HOST:PORT/DB`` URL of a KV cache store shared by workers
     (``kv_cache/kv_store.py``; needs prefix caching); ``kv_store_ttl``: seconds until a
     stored block expires (None: never, Redis's maxmemory policy evicts).
+    ``kv_cache_dtype``: one of :data:`KV_CACHE_DTYPES` (``fp8`` accepted for
+    ``fp8_e4m3``): ``auto`` keeps K/V in the model dtype; ``int8`` / ``fp8_e4m3`` store
+    one byte per element plus a per-token, per-head fp16 scale
+    (``layers/attention/kv_quant.py``).
     """
 
     block_size: int = 16
@@ -351,8 +376,10 @@ class CacheConfig:
     num_cpu_blocks_override: int | None = None
     kv_store: str | None = None
     kv_store_ttl: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
         if self.kv_store is not None and (
                 not isinstance(self.kv_store, str)
                 or not self.kv_store.startswith(("redis://", "rediss://", "unix://"))):
@@ -545,6 +572,12 @@ class EngineConfig:
     speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
     lora_config: LoRAConfig | None = None  # multi-LoRA (--enable-lora), None = off
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache dtype, resolved (``auto`` -> ``dtype``)."""
+        kv = self.cache_config.kv_cache_dtype
+        return self.dtype if kv == "auto" else kv
 
     def __post_init__(self) -> None:
         self.parallel_config.check_model(self.model_config)

@@ -75,8 +75,8 @@ def worker_args(m: ModelSpec, tuned: dict | None = None,
     as ``--kv-store`` when ``m.worker.kv_store``.
 
     Raises:
-        ValueError: a setting ``llmserve serve`` has no flag for yet (parallelism,
-            KV cache dtype), naming the spec field.
+        ValueError: a setting ``llmserve serve`` does not start locally yet
+            (parallelism), naming the spec field.
     """
     w = m.worker
     for name in ("tp", "pp", "dp", "ep"):
@@ -84,9 +84,6 @@ def worker_args(m: ModelSpec, tuned: dict | None = None,
             raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` runs one "
                              f"process per replica; {name} > 1 is rendered for Kubernetes "
                              "but not started locally")
-    if m.kv_cache_dtype != "auto":
-        raise ValueError(f"models.{m.name}.kv_cache_dtype: `llmserve serve` has no KV cache "
-                         "dtype flag yet; use auto")
     args = ["--model", m.source, "--served-model-name", m.name, "--dtype", m.dtype,
             "--quantization", m.quantization, "--max-num-seqs", str(w.max_num_seqs),
             "--block-size", str(w.block_size), "--device", w.device,
@@ -99,6 +96,8 @@ def worker_args(m: ModelSpec, tuned: dict | None = None,
         args += ["--kv-cache-memory", str(w.kv_cache_memory)]
     elif w.kv_cache_memory == "auto" and tuned:
         args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
+    if m.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", m.kv_cache_dtype]
     if w.max_model_len is not None:
         args += ["--max-model-len", str(w.max_model_len)]
     if m.speculative is not None:

@@ -109,7 +109,8 @@ class ModelSpec(_Strict):
     source: str = DEFAULT_MODEL
     quantization: Literal[QUANTIZATION] = "auto"  # type: ignore[valid-type]
     dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
+    # `llmserve serve --kv-cache-dtype` (fp8 = fp8_e4m3, as in vLLM)
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3"] = "auto"
     num_attention_heads: PositiveInt | None = None  # only where the source cannot tell
     num_key_value_heads: PositiveInt | None = None
     speculative: Speculative | None = None

@@ -136,6 +136,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
+    kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8_e4m3 (fp8)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -150,6 +151,10 @@ class EngineArgs:
                        help="KV cache budget: bytes or e.g. '4GiB' (default: 20%% of free RAM, "
                             "at most 2GiB)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        g.add_argument("--kv-cache-dtype", default="auto",
+                       help="KV cache storage: auto (= --dtype), bfloat16, float32, int8 or "
+                            "fp8_e4m3 (alias fp8); int8/fp8 keep one byte per element plus a "
+                            "per-token, per-head scale (about 2x the tokens per GiB)")
         g.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget per engine step")
@@ -263,7 +268,8 @@ class EngineArgs:
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      swap_space=self._swap_bytes(),
                                      num_cpu_blocks_override=self.num_cpu_blocks_override,
-                                     kv_store=self.kv_store, kv_store_ttl=self.kv_store_ttl),
+                                     kv_store=self.kv_store, kv_store_ttl=self.kv_store_ttl,
+                                     kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -20,7 +20,9 @@ def kv_store_layout(config: EngineConfig) -> KVStoreLayout:
     model_id = (f"{config.model}|arch={mc.architecture}"
                 f"|quantization={config.extra.get('quantization', 'auto')}"
                 f"|device={config.device.split(':')[0]}|deterministic={int(config.deterministic)}")
-    return KVStoreLayout(model_id=model_id, dtype=config.dtype,
+    # the KV cache dtype: a store written with int8 / fp8 pages (codes + scales) lives in
+    # another namespace than a bfloat16 one and is never loaded at another dtype
+    return KVStoreLayout(model_id=model_id, dtype=config.kv_cache_dtype,
                          block_size=config.cache_config.block_size,
                          num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                          head_dim=mc.head_dim)

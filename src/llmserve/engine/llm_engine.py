@@ -53,8 +53,10 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         cc = config.cache_config
+        # per rank (a tensor-parallel shard holds its KV heads); int8 / fp8 pages: one
+        # byte per element + a fp16 scale per token and KV head
         tp = config.parallel_config.tensor_parallel_size
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.dtype, tp)  # per rank
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.kv_cache_dtype, tp)
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         if cc.num_gpu_blocks_override is not None:
@@ -70,7 +72,8 @@ class LLMEngine:
             "max concurrency at max_model_len=%d: %.2fx",
             num_blocks, cc.block_size, format_size(num_blocks * cc.block_size *
                                                    self.kv_bytes_per_token),
-            self.kv_bytes_per_token, config.dtype, capacity, max_len, capacity / max_len)
+            self.kv_bytes_per_token, config.kv_cache_dtype, capacity, max_len,
+            capacity / max_len)
         if capacity < max_len:
             logger.warning("the KV cache (%d tokens) holds less than max_model_len (%d): "
                            "long requests will be refused or cut", capacity, max_len)

@@ -37,6 +37,8 @@ __all__ = ["CpuKernels", "build_cpu_kernels", "get_cpu_kernels"]
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+# included by cpu_kernels.c: part of the source hash
+_INCLUDES = [os.path.join(os.path.dirname(_SOURCE), "cpu_kernels_kvq.c")]
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-lm"]
 _OPENMP_FLAGS = ["-fopenmp"]  # threads from the libgomp PyTorch already loaded (see the C)
 _NATIVE_FLAGS = ["-march=native"]
@@ -88,6 +90,9 @@ def build_cpu_kernels(cache_dir: str | None = None, native: bool = True) -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
     with open(_SOURCE, "rb") as f:
         source = f.read()
+    for path in _INCLUDES:
+        with open(path, "rb") as f:
+            source += f.read()
     errors = []
     attempts = [_BASE_FLAGS + _OPENMP_FLAGS + _NATIVE_FLAGS, _BASE_FLAGS + _NATIVE_FLAGS,
                 _BASE_FLAGS + _OPENMP_FLAGS, _BASE_FLAGS]

@@ -13,6 +13,8 @@ import ctypes
 import torch
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# quantized KV cache formats (cpu_kernels_kvq.c): name -> (code, cache storage dtype)
+KV_QUANT_FORMATS = {"int8": (0, torch.int8), "fp8_e4m3": (1, torch.uint8)}
 # GGUF types of gguf_matmul: name -> (ggml type id, weights per block, bytes per block)
 GGUF_MATMUL_TYPES = {"Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                      "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
@@ -37,6 +39,12 @@ _SIGNATURES = {
     # block_size, scale, window, num_threads
     "paged_attention_decode": [_INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I64,
                                _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+    # fmt, dtype, key_cache, value_cache, num_slots, key, key_stride, value, value_stride,
+    # slot_mapping, num_tokens, num_kv_heads, head_dim
+    "write_kv_quant": [_INT, _INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
+    # fmt, then the arguments of paged_attention_decode
+    "paged_attention_decode_quant": [_INT, _INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64,
+                                     _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
 }
 
 
@@ -276,4 +284,79 @@ class CpuKernels:
             block_table.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
             head_dim, block_size, scale, sliding_window or 0, num_threads),
             "paged_attention_decode")
+        return out
+
+    # ---------------------------------------------------------------- quantized KV
+    def write_kv_quant(self, fmt: str, key: torch.Tensor, value: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        """Quantize ``key``/``value`` ``[T, Hkv, D]`` (float32/bfloat16, heads contiguous
+        within a token) into the quantized caches ``[blocks, bs, Hkv, D + 2]`` (int8 for
+        ``fmt="int8"``, uint8 for ``"fp8_e4m3"``; layout: ``cpu_kernels_kvq.c``) at
+        ``slot_mapping`` ``[T]`` int64 (``-1`` skips).
+
+        Raises:
+            ValueError: an unknown format, a slot outside the cache, or mismatched layouts.
+        """
+        code, storage = KV_QUANT_FORMATS[fmt]
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1) or \
+                value.shape != key.shape or value_cache.shape != key_cache.shape or \
+                key_cache.dtype != storage or value_cache.dtype != storage or \
+                tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim + 2) or \
+                not (key_cache.is_contiguous() and value_cache.is_contiguous()) or \
+                not (key_cache.is_cpu and value_cache.is_cpu) or \
+                slot_mapping.dtype != torch.int64 or slot_mapping.numel() != num_tokens or \
+                not slot_mapping.is_contiguous():
+            raise ValueError(f"write_kv_quant: K/V {tuple(key.shape)} strides {key.stride()}, "
+                             f"caches {tuple(key_cache.shape)} {key_cache.dtype}, slot_mapping "
+                             f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        dt = _code(key, value)
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        check_status(self._write_kv_quant(code, dt, key_cache.data_ptr(), value_cache.data_ptr(),
+                                          num_slots, key.data_ptr(), key.stride(0),
+                                          value.data_ptr(), value.stride(0),
+                                          slot_mapping.data_ptr(), num_tokens, num_kv_heads,
+                                          head_dim), "write_kv_quant")
+
+    def paged_attention_decode_quant(self, fmt: str, query: torch.Tensor,
+                                     key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                     block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                     scale: float, sliding_window: int | None = None,
+                                     num_threads: int = 1) -> torch.Tensor:
+        """:meth:`paged_attention_decode` over quantized caches ``[blocks, bs, Hkv, D + 2]``
+        (``fmt`` ``"int8"`` or ``"fp8_e4m3"``): each position's rows are dequantized in the
+        kernel's loop (codes times the row's fp16 scale), never a whole block.
+
+        Returns:
+            ``[S, H, D]`` in the query dtype (float32 softmax and accumulation).
+
+        Raises:
+            ValueError: as :meth:`paged_attention_decode`, or an unknown format.
+        """
+        code, storage = KV_QUANT_FORMATS[fmt]
+        num_seqs, num_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        if query.stride(2) != 1 or query.stride(1) != head_dim or \
+                key_cache.shape[3] != head_dim + 2 or value_cache.shape != key_cache.shape or \
+                key_cache.dtype != storage or value_cache.dtype != storage or \
+                not (key_cache.is_cpu and value_cache.is_cpu) or \
+                not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError(f"paged_attention_decode_quant: query {tuple(query.shape)} strides "
+                             f"{query.stride()}, caches {tuple(key_cache.shape)} "
+                             f"{key_cache.dtype} (contiguous)")
+        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or \
+                block_table.shape[0] != num_seqs or block_table.stride(1) != 1 or \
+                seq_lens.shape != (num_seqs,) or not seq_lens.is_contiguous() or \
+                not (block_table.is_cpu and seq_lens.is_cpu):
+            raise ValueError("paged_attention_decode_quant: int64 CPU block_table [S, B] (rows "
+                             "contiguous) and seq_lens [S] needed")
+        dt = _code(query)
+        out = query.new_empty((num_seqs, num_heads, head_dim))
+        check_status(self._paged_attention_decode_quant(
+            code, dt, out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+            value_cache.data_ptr(), num_blocks, block_table.data_ptr(), block_table.shape[1],
+            block_table.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+            head_dim, block_size, scale, sliding_window or 0, num_threads),
+            "paged_attention_decode_quant")
         return out

@@ -1044,3 +1044,6 @@ int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void 
     free(xf);
     return failed ? -2 : 0;
 }
+
+/* quantized KV cache pages: write_kv_quant, paged_attention_decode_quant */
+#include "cpu_kernels_kvq.c"

@@ -17,7 +17,8 @@ head_dim), so other models or layouts never collide. Value::
     hash, the body length) | 16-byte XXH3-128 of header + body | body
 
 body = ``[num_layers, 2 (key, value), block_size, num_kv_heads, head_dim]`` in the
-cache dtype, C order. A value with another magic, layout, hash or length, or a
+cache dtype, C order (int8 / fp8_e4m3 pages: ``head_dim`` codes + the row's fp16 scale,
+so the scales travel with the codes; the dtype is part of the namespace). A value with another magic, layout, hash or length, or a
 failing checksum, is a miss (never loaded). Redis errors are misses too; writes
 are dropped when the background queue is full or Redis fails, never blocking a
 step.
@@ -48,7 +49,9 @@ MAGIC = b"LLMSKV01"
 _HLEN = struct.Struct("<I")
 _DIGEST_LEN = 16
 PAUSE_AFTER_ERROR_S = 10.0
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+# quantized KV pages: a fp16 scale after each (token, KV head) row (layers/attention/kv_quant.py)
+ROW_SCALE_BYTES = {"int8": 2, "fp8_e4m3": 2}
 
 
 def _digest(header: bytes, body: bytes | memoryview) -> bytes:
@@ -89,8 +92,8 @@ class KVStoreLayout:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block's body (all layers, key and value)."""
-        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-                * DTYPE_BYTES[self.dtype])
+        row = self.head_dim * DTYPE_BYTES[self.dtype] + ROW_SCALE_BYTES.get(self.dtype, 0)
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * row
 
     @property
     def namespace(self) -> str:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from llmserve.kernels import get_cpu_kernels
-from llmserve.kernels.cpu import DTYPE_CODES, CpuKernels, check_status
+from llmserve.kernels.cpu import DTYPE_CODES, KV_QUANT_FORMATS, CpuKernels, check_status
+from llmserve.layers.attention.kv_quant import kv_cache_format
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CpuDecodeStep:
     num_threads: int
     num_blocks: int  # KV cache blocks per layer
     block_size: int
+    kv_format: int = -1  # quantized KV pages (layers/attention/kv_quant.py): format code
 
     @classmethod
     def build(cls, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -64,8 +66,10 @@ class CpuDecodeStep:
                 cos.dtype != hidden.dtype or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         num_tokens = hidden.shape[0]
+        fmt = kv_cache_format(key_cache)
+        cache_dtype = hidden.dtype if fmt is None else key_cache.dtype
         for kc, vc in kv_caches:
-            if kc.dtype != hidden.dtype or vc.dtype != hidden.dtype or not kc.is_cpu or \
+            if kc.dtype != cache_dtype or vc.dtype != cache_dtype or not kc.is_cpu or \
                     not (kc.is_contiguous() and vc.is_contiguous()) or \
                     kc.shape != key_cache.shape or vc.shape != key_cache.shape:
                 return None
@@ -78,7 +82,8 @@ class CpuDecodeStep:
             return None
         return cls(kernels, code, num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                    table, seq_lens.data_ptr(), md.sliding_window or 0,
-                   torch.get_num_threads(), key_cache.shape[0], key_cache.shape[1])
+                   torch.get_num_threads(), key_cache.shape[0], key_cache.shape[1],
+                   -1 if fmt is None else KV_QUANT_FORMATS[fmt][0])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,16 +113,29 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
     check_status(k._rotary_emb(code, qkv_ptr, num_tokens, num_heads + num_kv_heads,
                                attn.rotary_dim, row, head_dim, step.cos_ptr, step.sin_ptr),
                  "rotary_emb")
-    check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
-                       step.num_blocks * step.block_size, key_ptr, row, value_ptr, row,
-                       step.slot_ptr, num_tokens, attn.kv_size), "write_kv")
     out = torch.empty((num_tokens, attn.q_size), dtype=hidden.dtype)
     table = step.block_table
-    check_status(k._paged_attention_decode(
-        code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
-        step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0), step.seq_lens_ptr,
-        num_tokens, num_heads, num_kv_heads, head_dim, step.block_size, attn.attn.scale,
-        attn.attn.sliding_window or step.window, step.num_threads), "paged_attention_decode")
+    window = attn.attn.sliding_window or step.window
+    if step.kv_format >= 0:  # quantized pages: quantize on write, dequantize per row
+        check_status(k._write_kv_quant(
+            step.kv_format, code, key_cache.data_ptr(), value_cache.data_ptr(),
+            step.num_blocks * step.block_size, key_ptr, row, value_ptr, row, step.slot_ptr,
+            num_tokens, num_kv_heads, head_dim), "write_kv_quant")
+        check_status(k._paged_attention_decode_quant(
+            step.kv_format, code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(),
+            value_cache.data_ptr(), step.num_blocks, table.data_ptr(), table.shape[1],
+            table.stride(0), step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim,
+            step.block_size, attn.attn.scale, window, step.num_threads),
+            "paged_attention_decode_quant")
+    else:
+        check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
+                                 step.num_blocks * step.block_size, key_ptr, row, value_ptr,
+                                 row, step.slot_ptr, num_tokens, attn.kv_size), "write_kv")
+        check_status(k._paged_attention_decode(
+            code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
+            step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0),
+            step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim, step.block_size,
+            attn.attn.scale, window, step.num_threads), "paged_attention_decode")
     hidden = attn.o_proj.matmul_fn()(out)
     norm = layer.post_attention_layernorm
     x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)

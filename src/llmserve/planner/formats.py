@@ -26,6 +26,17 @@ KV_CACHE_DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
 }
 
+#: extra bytes per (token, KV head) row of llmserve's quantized KV pages: one fp16 scale
+#: (``--kv-cache-dtype int8|fp8_e4m3``, layers/attention/kv_quant.py). ``fp8`` keeps
+#: vLLM's meaning here (per-tensor scale: no per-row bytes).
+KV_CACHE_ROW_SCALE_BYTES: dict[str, int] = {"int8": 2, "fp8_e4m3": 2}
+
+
+def kv_row_scale_bytes(kv_cache_dtype: str) -> int:
+    """Scale bytes per token per KV head for ``kv_cache_dtype`` (0 for float dtypes)."""
+    return KV_CACHE_ROW_SCALE_BYTES.get(str(kv_cache_dtype).lower(), 0)
+
+
 #: GGUF tensor types: (weights per block, bytes per block). Source: ggml-common.h.
 GGUF_BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),

@@ -29,7 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmserve.planner.formats import GGUF_BLOCK_SIZES, WeightFormat, kv_dtype_bytes
+from llmserve.planner.formats import (
+    GGUF_BLOCK_SIZES,
+    WeightFormat,
+    kv_dtype_bytes,
+    kv_row_scale_bytes,
+)
 from llmserve.planner.model import PlannerModel, as_planner_model
 from llmserve.utils import format_size
 
@@ -249,7 +254,8 @@ def kv_bytes_per_token_per_layer(model: ModelConfig | PlannerModel,
                                  kv_cache_dtype: str = "bfloat16", tp: int = 1) -> int:
     """K+V bytes of one token in one layer on one device.
 
-    ``2 * max(1, kv_heads // tp) * head_dim * b``; MLA: ``(kv_lora_rank +
+    ``2 * max(1, kv_heads // tp) * (head_dim * b + scale)`` (``scale``: 2 bytes for
+    llmserve's ``int8`` / ``fp8_e4m3`` pages, else 0); MLA: ``(kv_lora_rank +
     qk_rope_head_dim) * b`` whatever ``tp``.
 
     Raises:
@@ -260,7 +266,8 @@ def kv_bytes_per_token_per_layer(model: ModelConfig | PlannerModel,
     b = kv_dtype_bytes(kv_cache_dtype, m.torch_dtype)
     if m.is_mla:
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b
-    return 2 * kv_heads_per_device(m, tp) * m.head_dim * b
+    # int8 / fp8_e4m3 pages: + one fp16 scale per token and KV head (formats.py)
+    return 2 * kv_heads_per_device(m, tp) * (m.head_dim * b + kv_row_scale_bytes(kv_cache_dtype))
 
 
 def kv_cache_bytes_per_token(model: ModelConfig | PlannerModel,

@@ -24,6 +24,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.layers.attention import CommonAttentionMetadata
+from llmserve.layers.attention.kv_quant import kv_cache_storage
 from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import Sampler, build_sampling_metadata
 from llmserve.sampling_params import SamplingParams
@@ -82,13 +83,18 @@ class ModelRunner:
         self.eos_token_ids = set(mc.eos_token_ids)
         # the step-wide window the model asks for (None when its layers carry their own)
         self.sliding_window = getattr(model, "sliding_window", mc.sliding_window)
-        # this rank's KV heads (a tensor-parallel shard holds max(1, kv_heads / tp))
+        # the cache dtype: the model's, another float, or int8 / fp8 pages whose head rows
+        # carry their fp16 scale (layers/attention/kv_quant.py: head_dim + 2 bytes); this
+        # rank's KV heads (a tensor-parallel shard holds max(1, kv_heads / tp))
+        self.kv_cache_dtype, row_extra = kv_cache_storage(
+            getattr(config, "kv_cache_dtype", config.dtype), self.dtype)
         shape = (num_blocks, self.block_size, getattr(model, "num_kv_heads",
-                                                      mc.num_key_value_heads), mc.head_dim)
+                                                      mc.num_key_value_heads),
+                 mc.head_dim + row_extra)
         # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)
         ]
         # the host pool for swap preemption, same layout; block 0 unused
@@ -97,8 +103,8 @@ class ModelRunner:
         if num_host_blocks > 0:
             host_shape = (num_host_blocks + 1, *shape[1:])
             self.host_kv_caches = [
-                (torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-                 torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin))
+                (torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+                 torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
                 for _ in range(mc.num_hidden_layers)
             ]
         self.sampler = Sampler()

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from llmserve.kernels import get_cpu_kernels
+from llmserve.layers.attention.kv_quant import kv_cache_format, write_kv_quant
 
 
 @dataclass
@@ -187,6 +188,16 @@ class AttentionBackend(ABC):
         if slot_mapping.numel() == 0:
             return
         kernels = get_cpu_kernels()
+        fmt = kv_cache_format(key_cache)
+        if fmt is not None:  # quantized pages (kv_quant.py): quantize on write
+            if kernels is not None and key_cache.is_cpu \
+                    and key.dtype in (torch.float32, torch.bfloat16) \
+                    and value.dtype == key.dtype and key.stride()[1:] == (key.shape[2], 1) \
+                    and value.stride()[1:] == (value.shape[2], 1):
+                kernels.write_kv_quant(fmt, key, value, key_cache, value_cache, slot_mapping)
+            else:
+                write_kv_quant(key, value, key_cache, value_cache, slot_mapping)
+            return
         if kernels is not None and key_cache.is_cpu and key.dtype == key_cache.dtype \
                 and key_cache.dtype in (torch.float32, torch.bfloat16) \
                 and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:

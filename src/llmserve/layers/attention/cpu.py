@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from llmserve.kernels import get_cpu_kernels
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from llmserve.layers.attention.kv_quant import dequantize_kv, kv_cache_format
 
 
 @dataclass
@@ -76,6 +77,9 @@ class CpuAttentionMetadata:
     # a half of split_decodes: (the whole step's metadata, 0 = decodes / 1 = prefills);
     # its window variants are the same half of the whole step's variants
     split_of: tuple[CpuAttentionMetadata, int] | None = None
+    # quantized KV (kv_quant.py): each prefill token as a one-token decode, built on first
+    # use: (block_table [num_prefill_tokens, W] int64, seq_lens [num_prefill_tokens] int64)
+    quant_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def for_window(self, window: int | None) -> CpuAttentionMetadata:
         """This step's metadata with sliding window ``window`` (self when it already is),
@@ -287,11 +291,16 @@ class CpuAttentionBackend(AttentionBackend):
         return output
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """[num_seqs, num_kv_heads, num_blocks * block_size, head_dim] view of each context."""
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[num_seqs, num_kv_heads, num_blocks * block_size, head_dim] view of each context
+        (in ``dtype``: a quantized or other-dtype cache is dequantized / cast after the
+        gather, the fallback where the C kernels do not apply)."""
         num_seqs, num_blocks = block_table.shape
-        _, block_size, num_kv_heads, head_dim = cache.shape
         gathered = cache.index_select(0, block_table.reshape(-1))  # [S * nb, bs, Hkv, D]
+        if dtype is not None and gathered.dtype != dtype:
+            gathered = dequantize_kv(gathered, dtype)
+        _, block_size, num_kv_heads, head_dim = gathered.shape
         return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads,
                              head_dim).transpose(1, 2)
 
@@ -299,6 +308,14 @@ class CpuAttentionBackend(AttentionBackend):
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
         nd = query.shape[0]
         kernels = get_cpu_kernels()
+        fmt = kv_cache_format(key_cache)
+        if fmt is not None and kernels is not None and key_cache.is_cpu \
+                and query.dtype in (torch.float32, torch.bfloat16) \
+                and query.stride(1) == self.head_dim:  # rows dequantized in the kernel loop
+            return kernels.paged_attention_decode_quant(
+                fmt, query, key_cache, value_cache, metadata.decode_block_table,
+                metadata.decode_seq_lens, self.scale, metadata.sliding_window,
+                torch.get_num_threads())
         if kernels is not None and key_cache.is_cpu and query.dtype == key_cache.dtype \
                 and key_cache.dtype in (torch.float32, torch.bfloat16) \
                 and query.stride(1) == self.head_dim:
@@ -314,8 +331,9 @@ class CpuAttentionBackend(AttentionBackend):
         # the role of the query length, so K/V need no repeat
         grouped_query = query.reshape(nd, self.num_kv_heads, self.num_queries_per_kv,
                                       self.head_dim)
-        key = self._gather(key_cache, metadata.decode_block_table)  # [nd, Hkv, max_ctx, D]
-        value = self._gather(value_cache, metadata.decode_block_table)
+        # [nd, Hkv, max_ctx, D]
+        key = self._gather(key_cache, metadata.decode_block_table, query.dtype)
+        value = self._gather(value_cache, metadata.decode_block_table, query.dtype)
         out = F.scaled_dot_product_attention(grouped_query, key, value,
                                              attn_mask=metadata.decode_mask, scale=self.scale)
         return out.reshape(nd, self.num_heads, self.head_dim)
@@ -326,12 +344,17 @@ class CpuAttentionBackend(AttentionBackend):
         """Each prefill's query rows in fixed tiles over its cached K/V (module doc):
         one SDPA call per tile, the same shapes and mask for a token wherever its chunk
         starts. (``key``/``value`` are in the cache already; they are read from there.)"""
+        kernels = get_cpu_kernels()
+        if kv_cache_format(key_cache) is not None and kernels is not None \
+                and key_cache.is_cpu and query.dtype in (torch.float32, torch.bfloat16) \
+                and query.stride(1) == self.head_dim:
+            return self._prefill_quant(kernels, query, key_cache, value_cache, metadata)
         gqa = self.num_queries_per_kv > 1
         index = metadata.prefill_index
         # [1, H, total_tile_rows, D]: every chunk's rows at their place in its tiles
         q = F.pad(query, (0, 0, 0, 0, 0, 1)).index_select(0, index.rows).transpose(0, 1)[None]
-        k = self._gather(key_cache, index.block_table)  # [1, Hkv, total_keys, D]
-        v = self._gather(value_cache, index.block_table)
+        k = self._gather(key_cache, index.block_table, query.dtype)  # [1, Hkv, total_keys, D]
+        v = self._gather(value_cache, index.block_table, query.dtype)
         outs = []
         for p in metadata.prefills:
             for t in p.tiles:
@@ -343,3 +366,33 @@ class CpuAttentionBackend(AttentionBackend):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         # [num_prefill_tokens, num_heads, head_dim]
         return out[0].transpose(0, 1).index_select(0, index.outputs)
+
+    def _prefill_quant(self, kernels, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor,
+                       metadata: CpuAttentionMetadata) -> torch.Tensor:
+        """Prompt rows over a quantized cache: each token as a one-token decode of its
+        own context (seq_len = position + 1) through the quantized C decode kernel, which
+        dequantizes row by row; a token's result depends on its position and context
+        only (never on its chunk), as the tiles of the float path."""
+        if metadata.quant_prefill is None:  # built once per step, shared by the layers
+            metadata.quant_prefill = _quant_prefill_tables(metadata.prefills)
+        block_table, seq_lens = metadata.quant_prefill
+        return kernels.paged_attention_decode_quant(
+            kv_cache_format(key_cache), query, key_cache, value_cache, block_table, seq_lens,
+            self.scale, metadata.sliding_window, torch.get_num_threads())
+
+
+def _quant_prefill_tables(prefills: list[PrefillSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prefill token: its sequence's block table row and ``position + 1``."""
+    width = max(p.block_table.shape[1] for p in prefills)
+    tables, lens = [], []
+    for p in prefills:
+        n = p.token_end - p.token_start
+        start = p.tiles[0].key_end - PREFILL_TILE + p.row_offset  # first token's position
+        table = p.block_table
+        if table.shape[1] < width:
+            table = torch.cat([table, table.new_zeros(1, width - table.shape[1])], 1)
+        tables.append(table.expand(n, width))
+        lens.append(torch.arange(start + 1, start + n + 1, dtype=torch.int64,
+                                 device=table.device))
+    return torch.cat(tables).contiguous(), torch.cat(lens)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from llmserve.layers.attention.kv_quant import dequantize_kv
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -46,8 +47,9 @@ class ReferenceAttentionBackend(AttentionBackend):
             num_blocks = (seq_len + block_size - 1) // block_size
             block_ids = metadata.block_table[i, :num_blocks]
             # [seq_len, num_kv_heads, head_dim]
-            seq_key = key_cache[block_ids].flatten(0, 1)[:seq_len].float()
-            seq_value = value_cache[block_ids].flatten(0, 1)[:seq_len].float()
+            # (a quantized cache, kv_quant.py: dequantized rows)
+            seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len])
+            seq_value = dequantize_kv(value_cache[block_ids].flatten(0, 1)[:seq_len])
             # [seq_len, num_heads, head_dim]
             seq_key = seq_key.repeat_interleave(self.num_queries_per_kv, dim=1)
             seq_value = seq_value.repeat_interleave(self.num_queries_per_kv, dim=1)
