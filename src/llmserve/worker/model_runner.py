@@ -50,6 +50,9 @@ class CachedRequestState:
     num_computed_tokens: int
     prompt_logprobs: list | None = None  # entries of prompt tokens 1.. (prompt_logprobs.py)
     grammar: Any = None  # structured outputs: a GrammarMatcher, advanced by each token
+    # KV eviction / sliding window: tokens whose blocks left the table (whole blocks
+    # before the kept ones); position p lives in block_ids[(p - this) // block_size]
+    num_evicted_tokens: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -151,6 +154,7 @@ class ModelRunner:
                 new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), sp, gen,
                 list(new.block_ids), new.num_computed_tokens,
                 [] if sp.prompt_logprobs is not None else None)
+            self.requests[new.req_id].num_evicted_tokens = new.num_evicted_tokens
             so = sp.structured_outputs
             if so is not None:  # compiled by the engine when the request was added
                 self.requests[new.req_id].grammar = so.compiled.new_matcher()
@@ -158,6 +162,7 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids = list(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.num_evicted_tokens = cached.num_evicted_tokens
 
     def drop_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -180,6 +185,7 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
         offset = 0
+        cpos_parts = []  # positions in the kept blocks (true positions minus evicted)
         self._layout = []  # (state, first row, first position, tokens): prompt logprobs
         for i, (state, qlen) in enumerate(zip(states, query_lens)):
             start = state.num_computed_tokens
@@ -190,8 +196,10 @@ class ModelRunner:
             blocks = np.asarray(state.block_ids, dtype=np.int64)
             block_table[i, :len(blocks)] = blocks
             pos_parts.append(pos)
-            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
+            cpos = pos - state.num_evicted_tokens  # RoPE keeps `pos`; slots and masks: kept
+            cpos_parts.append(cpos)
+            slot_parts.append(blocks[cpos // bs] * bs + cpos % bs)
+            seq_lens.append(end - state.num_evicted_tokens)
             offset += qlen
             if end == len(state.token_ids):  # reached the end: sample the next token
                 logits_idx.append(offset - 1)
@@ -200,8 +208,8 @@ class ModelRunner:
         pos_np = np.concatenate(pos_parts)
         positions = torch.from_numpy(pos_np)
         if getattr(self.config, "deterministic", False):  # each token a one-token decode
-            query_lens, seq_lens, block_table = per_token_metadata(query_lens, pos_np,
-                                                                   block_table)
+            query_lens, seq_lens, block_table = per_token_metadata(
+                query_lens, np.concatenate(cpos_parts), block_table)
             num_decodes = len(query_lens)
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
@@ -218,8 +226,29 @@ class ModelRunner:
             block_size=bs,
             sliding_window=self.sliding_window,
         )
+        self._scored = self._block_score_requests(sched, states, common)
         return (input_ids.to(self.device), positions.to(self.device), common,
                 torch.tensor(logits_idx, dtype=torch.long, device=self.device), sample_states)
+
+    def _block_score_requests(self, sched: SchedulerOutput, states: list, common) -> dict:
+        """KV eviction (H2O, SnapKV): ``{req_id: BlockScoreRequest}`` for the requests
+        whose attention the scheduler wants summed per block; set on ``common``."""
+        if not sched.kv_score_from or getattr(self.config, "deterministic", False):
+            return {}
+        from llmserve.layers.attention.scored import BlockScoreRequest
+
+        wanted: dict[int, BlockScoreRequest] = {}
+        by_req = {}
+        for i, state in enumerate(states):
+            first = sched.kv_score_from.get(state.req_id)
+            if first is None:
+                continue
+            req = BlockScoreRequest(max(0, first - state.num_computed_tokens), torch.zeros(
+                len(state.block_ids), dtype=torch.float32, device=self.device))
+            wanted[i] = by_req[state.req_id] = req
+        if wanted:
+            common.block_scores = wanted
+        return by_req
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -236,6 +265,8 @@ class ModelRunner:
         input_ids, positions, common, logits_idx, sample_states = self._prepare_inputs(sched)
         attn_metadata = self.model.attn_backend_cls.build_metadata(common)
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        for req_id, scored in self._scored.items():
+            out.kv_block_scores[req_id] = scored.scores.tolist()
         if wants_prompt_logprobs(self._layout):
             collect_prompt_logprobs(self.model, hidden, self._layout)
         if not sample_states:
