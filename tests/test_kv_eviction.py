@@ -236,3 +236,37 @@ def test_default_model_streaming_llm_long_generation(gguf_path):
             "b": ("List the prime numbers in order, starting with 2.", params)}
     counts, peak = _generate_checking_blocks(llm.engine, reqs, {"a": 16, "b": 16})
     assert counts == {"a": 2048, "b": 2048} and peak <= 32
+
+
+def test_scored_attention_equals_reference_and_sums_probabilities(monkeypatch):
+    """The scored path (row tiles of 8 here) gives the reference backend's output, and
+    its block scores are the reference softmax's mass per block."""
+    from llmserve.layers.attention import CommonAttentionMetadata, ReferenceAttentionBackend
+    from llmserve.layers.attention import scored as scored_mod
+    from llmserve.layers.attention.scored import BlockScoreRequest, scored_attention
+
+    monkeypatch.setattr(scored_mod, "ROW_TILE", 8)
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    key_cache = torch.randn(12, bs, kv_heads, dim)
+    value_cache = torch.randn(12, bs, kv_heads, dim)
+    tables = [[3, 7, 1, 9, 4], [2, 5, 8]]  # a decode-like 1-token query and a 10-token chunk
+    md = CommonAttentionMetadata.from_lists([1, 10], [18, 11], tables, bs)
+    query = torch.randn(11, heads, dim)
+    backend = ReferenceAttentionBackend(heads, dim, kv_heads, 0.3)
+    ref = backend.forward(query, torch.zeros(11, kv_heads, dim), torch.zeros(11, kv_heads, dim),
+                          key_cache.clone(), value_cache.clone(), md)
+    md.block_scores = {1: BlockScoreRequest(3, torch.zeros(3))}
+    # (K/V already in the cache: write this step's rows as the reference did)
+    flat_k, flat_v = key_cache.view(-1, kv_heads, dim), value_cache.view(-1, kv_heads, dim)
+    flat_k[md.slot_mapping] = 0
+    flat_v[md.slot_mapping] = 0
+    out = scored_attention(backend, query, key_cache, value_cache, md)
+    torch.testing.assert_close(out, ref)
+    # reference mass: sequence 1, query rows 3..9 (positions 4..10), keys 0..10
+    keys = key_cache[[2, 5, 8]].flatten(0, 1)[:11].repeat_interleave(2, 1)
+    s = torch.einsum("qhd,khd->hqk", query[1 + 3:], keys) * 0.3
+    mask = torch.arange(11)[None, :] <= torch.arange(4, 11)[:, None]
+    probs = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).sum((0, 1))
+    want = torch.nn.functional.pad(probs, (0, 1)).view(3, 4).sum(1)
+    torch.testing.assert_close(md.block_scores[1].scores, want)

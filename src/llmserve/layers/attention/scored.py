@@ -28,6 +28,9 @@ import torch
 
 from llmserve.layers.attention.reference import causal_mask
 
+# query rows per score matrix: [num_heads, ROW_TILE, context] float32 at a time
+ROW_TILE = 256
+
 
 @dataclass
 class BlockScoreRequest:
@@ -70,16 +73,21 @@ def scored_attention(backend, query: torch.Tensor, key_cache: torch.Tensor,
         seq_value = value_cache[block_ids].flatten(0, 1)[:seq_len].float()
         seq_key = seq_key.repeat_interleave(backend.num_queries_per_kv, dim=1)
         seq_value = seq_value.repeat_interleave(backend.num_queries_per_kv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), seq_key) * backend.scale
-        mask = causal_mask(torch.arange(seq_len - query_len, seq_len, device=device),
-                           torch.arange(seq_len, device=device), window)
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        output[start:end] = torch.einsum("hqk,khd->qhd", probs, seq_value).to(query.dtype)
         req = requests.get(i)
+        per_key = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device)
+        for r0 in range(0, query_len, ROW_TILE):  # bounded memory for long prompts
+            r1 = min(r0 + ROW_TILE, query_len)
+            q = query[start + r0:start + r1].float()  # [rows, num_heads, head_dim]
+            scores = torch.einsum("qhd,khd->hqk", q, seq_key) * backend.scale
+            first = seq_len - query_len
+            mask = causal_mask(torch.arange(first + r0, first + r1, device=device),
+                               torch.arange(seq_len, device=device), window)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            output[start + r0:start + r1] = torch.einsum(
+                "hqk,khd->qhd", probs, seq_value).to(query.dtype)
+            if req is not None and req.first_row < r1:
+                per_key[:seq_len] += probs[:, max(0, req.first_row - r0):].sum(dim=(0, 1))
         if req is not None and req.first_row < query_len:
-            per_key = probs[:, req.first_row:].sum(dim=(0, 1))  # [seq_len]
-            padded = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device)
-            padded[:seq_len] = per_key
-            req.scores[:num_blocks] += padded.view(num_blocks, block_size).sum(1)
+            req.scores[:num_blocks] += per_key.view(num_blocks, block_size).sum(1)
         start = end
     return output
