@@ -169,6 +169,13 @@ def test_registry_config_and_bad_settings(tiny):
     from llmserve import SamplingParams
 
     assert available_eviction_policies() == sorted(KV_EVICTION_POLICIES)
+    import argparse
+
+    from llmserve.engine.arg_utils import EngineArgs
+
+    cli = EngineArgs.from_cli_args(EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--kv-eviction-policy", "h2o", "--kv-budget-tokens", "64", "--num-sink-tokens", "8"]))
+    assert (cli.kv_eviction_policy, cli.kv_budget_tokens, cli.num_sink_tokens) == ("h2o", 64, 8)
     with pytest.raises(ValueError, match="kv_eviction_policy"):
         CacheConfig(kv_eviction_policy="lru")
     with pytest.raises(ValueError, match="kv_budget_tokens"):
@@ -225,17 +232,18 @@ def test_long_generation_in_a_fixed_number_of_blocks_per_policy(tiny):
 
 def test_default_model_streaming_llm_long_generation(gguf_path):
     """The default model (SmolLM2-135M, bf16, native 4-bit), engine-wide StreamingLLM at
-    256 tokens: two batched 2,048-token generations in a 40-block pool (640 tokens)."""
+    128 tokens: two batched 1,040-token sequences (8 budgets) in a 24-block pool (384
+    tokens, block size 16)."""
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(gguf_path, block_size=16, num_gpu_blocks_override=41, max_num_batched_tokens=256,
-              kv_eviction_policy="streaming_llm", kv_budget_tokens=256, num_sink_tokens=4)
+    llm = LLM(gguf_path, block_size=16, num_gpu_blocks_override=25, max_num_batched_tokens=128,
+              kv_eviction_policy="streaming_llm", kv_budget_tokens=128, num_sink_tokens=4)
     assert llm.engine.max_kv_tokens == llm.engine.max_model_len  # capped: may run long
-    params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
     reqs = {"a": ("Write a long story about a dragon.", params),
             "b": ("List the prime numbers in order, starting with 2.", params)}
-    counts, peak = _generate_checking_blocks(llm.engine, reqs, {"a": 16, "b": 16})
-    assert counts == {"a": 2048, "b": 2048} and peak <= 32
+    counts, peak = _generate_checking_blocks(llm.engine, reqs, {"a": 8, "b": 8})
+    assert counts == {"a": 1024, "b": 1024} and peak <= 16
 
 
 def test_scored_attention_equals_reference_and_sums_probabilities(monkeypatch):

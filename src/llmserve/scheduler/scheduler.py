@@ -199,8 +199,6 @@ class Scheduler:
         self.running.remove(req)
         kv = self.kv_cache_manager
         num_blocks = cdiv(req.num_computed_tokens, self.block_size)
-        if req.eviction is not None:
-            req.eviction.reset()
         if (self.swap and num_blocks and self.host_pool is not None
                 and not kv.num_evicted_tokens.get(req.request_id)  # evicted: recompute
                 and self.host_pool.get_num_free_blocks() >= num_blocks):
@@ -213,6 +211,8 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
+            if req.eviction is not None:  # its blocks are gone: start the bookkeeping anew
+                req.eviction.reset()
         req.spec_token_ids = []
         kv.free(req.request_id)
         req.num_preemptions += 1
