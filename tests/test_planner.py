@@ -378,3 +378,22 @@ def test_cli_does_not_fit(capsys):
     assert code == 1 and "does not fit" in err
     code, out, _ = _run(["--model", "Llama-3.1-8B", "--gpu-memory", "16GiB", "--tp", "1"], capsys)
     assert code == 1 and "DOES NOT FIT" in out
+
+
+def test_plan_counts_the_per_sequence_cap():
+    """A sliding window on every layer, or a KV eviction budget, caps the blocks a
+    sequence holds (llmserve's scheduler/kv_limits.py): more sequences fit."""
+    mistral = _dense(num_key_value_heads=2, sliding_window=4096)
+    plain = plan_capacity(_dense(num_key_value_heads=2), gpu_memory="1GiB",
+                          activation_reserve="0", max_model_len=32768, weight_format="bf16")
+    capped = plan_capacity(mistral, gpu_memory="1GiB", activation_reserve="0",
+                           max_model_len=32768, weight_format="bf16")
+    assert plain.blocks_per_sequence == 2048 and plain.max_blocks_per_sequence is None
+    assert capped.blocks_per_sequence == (4096 + 2048) // 16 + 1 == 385
+    assert capped.max_num_seqs == capped.usable_blocks // 385 > plain.max_num_seqs
+    budget = plan_capacity(_dense(num_key_value_heads=2), gpu_memory="1GiB",
+                           activation_reserve="0", max_model_len=32768, weight_format="bf16",
+                           kv_budget_tokens=1024, max_num_batched_tokens=512)
+    assert budget.blocks_per_sequence == 1024 // 16 + 512 // 16 + 1
+    with pytest.raises(ValueError, match="kv_budget_tokens"):
+        plan_capacity(mistral, gpu_memory="1GiB", kv_budget_tokens=0)

@@ -349,6 +349,10 @@ def normalize_kv_cache_dtype(value: Any) -> str:
     return name
 
 
+# the registered names of kv_cache/eviction (tests/test_kv_eviction.py checks they agree)
+KV_EVICTION_POLICIES = ("none", "streaming_llm", "h2o", "snapkv")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
@@ -366,6 +370,10 @@ class CacheConfig:
     ``fp8_e4m3``): ``auto`` keeps K/V in the model dtype; ``int8`` / ``fp8_e4m3`` store
     one byte per element plus a per-token, per-head fp16 scale
     (``layers/attention/kv_quant.py``).
+    ``kv_eviction_policy``: ``none``, ``streaming_llm``, ``h2o`` or ``snapkv``
+    (``kv_cache/eviction``), capping each sequence at ``kv_budget_tokens`` of KV
+    (whole blocks; ``num_sink_tokens`` attention sinks for StreamingLLM); requests may
+    override the three through their SamplingParams.
     """
 
     block_size: int = 16
@@ -373,6 +381,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space: int | str = 4 * 1024**3
+    kv_eviction_policy: str = "none"
+    kv_budget_tokens: int | None = None
+    num_sink_tokens: int = 4
     num_cpu_blocks_override: int | None = None
     kv_store: str | None = None
     kv_store_ttl: int | None = None
@@ -389,6 +400,9 @@ class CacheConfig:
                                               or self.kv_store_ttl <= 0):
             raise ValueError(f"kv_store_ttl must be a positive number of seconds, "
                              f"got {self.kv_store_ttl!r}")
+        if self.kv_eviction_policy not in KV_EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction_policy must be one of {list(KV_EVICTION_POLICIES)}, "
+                             f"got {self.kv_eviction_policy!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory is not None:

@@ -201,6 +201,10 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces between special tokens
             when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
+        kv_eviction_policy, kv_budget_tokens, num_sink_tokens: this request's KV
+            eviction (``none``, ``streaming_llm``, ``h2o``, ``snapkv``; budget in tokens;
+            StreamingLLM's sinks), overriding the engine's ``--kv-eviction-policy``,
+            ``--kv-budget-tokens``, ``--num-sink-tokens``; None: the engine's.
 
     Raises:
         ValueError: on a value of the wrong type or out of range; the message
@@ -228,6 +232,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_eviction_policy: str | None = None
+    kv_budget_tokens: int | None = None
+    num_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -244,7 +251,8 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "kv_budget_tokens",
+                     "num_sink_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name), allow_none=True))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -254,6 +262,13 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
 
     def _check_extras(self) -> None:
+        if self.kv_eviction_policy is not None and not isinstance(self.kv_eviction_policy, str):
+            raise ValueError("kv_eviction_policy must be a string (none, streaming_llm, h2o, "
+                             "snapkv) or None")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens <= 0:
+            raise ValueError(f"kv_budget_tokens must be > 0, got {self.kv_budget_tokens}")
+        if self.num_sink_tokens is not None and self.num_sink_tokens < 0:
+            raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")

@@ -123,6 +123,9 @@ class EngineArgs:
     swap_space: float = 4.0
     num_cpu_blocks_override: int | None = None
     deterministic: bool = False
+    kv_eviction_policy: str = "none"  # none | streaming_llm | h2o | snapkv
+    kv_budget_tokens: int | None = None
+    num_sink_tokens: int = 4
     # a SpeculativeConfig, its dict, or its JSON (--speculative-config); None = off
     speculative_config: object = None
     kv_store: str | None = None  # redis://HOST:PORT/DB: the shared KV cache store
@@ -185,6 +188,15 @@ class EngineArgs:
                        help="batch-invariant mode: greedy outputs and logprobs do not depend on "
                             "batching, prefill chunking or prefix-cache hits (every token runs "
                             "through one kernel path; slower prefill, see docs/benchmarks.md)")
+        g.add_argument("--kv-eviction-policy", default="none",
+                       choices=["none", "streaming_llm", "h2o", "snapkv"],
+                       help="evict whole KV blocks of a sequence past --kv-budget-tokens: "
+                            "StreamingLLM (sinks + recent), H2O (accumulated attention + "
+                            "recent) or SnapKV (the prompt's last queries vote)")
+        g.add_argument("--kv-budget-tokens", type=int, default=None,
+                       help="KV tokens kept per sequence under --kv-eviction-policy")
+        g.add_argument("--num-sink-tokens", type=int, default=4,
+                       help="StreamingLLM's attention sinks (rounded up to whole blocks)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
@@ -268,6 +280,9 @@ class EngineArgs:
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      swap_space=self._swap_bytes(),
                                      num_cpu_blocks_override=self.num_cpu_blocks_override,
+                                     kv_eviction_policy=self.kv_eviction_policy,
+                                     kv_budget_tokens=self.kv_budget_tokens,
+                                     num_sink_tokens=self.num_sink_tokens,
                                      kv_store=self.kv_store, kv_store_ttl=self.kv_store_ttl,
                                      kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(

@@ -25,6 +25,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Request, RequestStatus, Scheduler
+from llmserve.scheduler.kv_limits import KVLimiter
 from llmserve.structured_output import GrammarCompilerCache
 from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
@@ -111,14 +112,15 @@ class LLMEngine:
                 num_spec_tokens=config.speculative_config.num_speculative_tokens)
         self._spec_logged_at = time.monotonic()
         self.kv_store = build_kv_store(config)  # the shared KV store (--kv-store), or None
+        kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                    kv_store=self.kv_store)
         self.scheduler = Scheduler(
-            config.scheduler_config,
-            KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                           kv_store=self.kv_store),
+            config.scheduler_config, kv_manager,
             num_host_blocks, num_lookahead_tokens=(
                 self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
                 else 0),
-            max_loras=config.lora_config.max_loras if config.lora_config else 0)
+            max_loras=config.lora_config.max_loras if config.lora_config else 0,
+            kv_limits=self._kv_limits(kv_manager))
         self.output_processor = OutputProcessor(tokenizer)
         # structured outputs: grammars compiled once per spec (the server compiles them
         # in a worker thread before adding the request, so a step never waits on one)
@@ -127,6 +129,31 @@ class LLMEngine:
         self._counter = itertools.count()
         self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
         self._stalled_steps = 0
+
+    def _kv_limits(self, kv_manager: KVCacheManager) -> KVLimiter | None:
+        """Sliding-window freeing (every layer windowed) and KV eviction, or None.
+
+        Raises:
+            ValueError: eviction with speculative decoding, or bad eviction settings.
+        """
+        cc, mc = self.config.cache_config, self.config.model_config
+        window = mc.sliding_window if all(
+            mc.layer_sliding_window(i) is not None for i in range(mc.num_hidden_layers)) \
+            else None
+        spec = self.config.speculative_config is not None
+        if spec and cc.kv_eviction_policy != "none":
+            raise ValueError("kv_eviction_policy is not supported with speculative decoding")
+        if spec:  # its verifier lays out slots itself: no freeing under it yet
+            return None
+        limiter = KVLimiter(kv_manager, window, cc.kv_eviction_policy, cc.kv_budget_tokens,
+                            cc.num_sink_tokens)
+        cap = limiter.max_blocks(limiter.make_state(None),
+                                 self.config.scheduler_config.max_num_batched_tokens)
+        if cap is not None:
+            logger.info("KV per sequence capped at %d blocks (%s)", cap,
+                        f"sliding window {window}" if window else
+                        f"{cc.kv_eviction_policy}, budget {cc.kv_budget_tokens} tokens")
+        return limiter
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -171,7 +198,13 @@ class LLMEngine:
 
     @property
     def max_kv_tokens(self) -> int:
-        """Tokens the whole KV cache holds: no one sequence can grow past this."""
+        """Tokens the whole KV cache holds: no one sequence can grow past this (a sequence
+        capped by a sliding window or an engine-wide KV budget: ``max_model_len``)."""
+        limits = self.scheduler.kv_limits
+        if limits is not None and limits.max_blocks(
+                limits.make_state(None), self.config.scheduler_config.max_num_batched_tokens) \
+                is not None:
+            return self.max_model_len
         return (self.scheduler.kv_cache_manager.num_usable_blocks
                 * self.config.cache_config.block_size)
 
@@ -253,7 +286,7 @@ class LLMEngine:
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
-        self.scheduler.check_request_fits(len(prompt_ids))
+        self.scheduler.check_request_fits(len(prompt_ids), params)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV cache block (default 16)")
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size")
     parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size")
+    parser.add_argument("--kv-budget-tokens", type=positive_int, default=None,
+                        help="per-sequence KV budget of --kv-eviction-policy: caps each "
+                             "sequence's blocks (a sliding window on every layer caps them too)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -100,7 +103,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         activation_reserve=args.activation_reserve, weight_format=fmt,
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, concurrency=args.concurrency,
-        file_weight_bytes=resolved.file_weight_bytes if use_file else None)
+        file_weight_bytes=resolved.file_weight_bytes if use_file else None,
+        kv_budget_tokens=args.kv_budget_tokens)
     if args.tp is None and args.pp is None:
         plan = smallest_parallelism(m, gpus_per_node=args.gpus_per_node, num_gpus=args.gpus,
                                     **common)

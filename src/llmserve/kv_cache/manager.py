@@ -60,6 +60,10 @@ class KVCacheManager:
         self.store_loaded: dict[str, tuple[int, int]] = {}
         # the last lookup (request id, first block index, bodies): the queue head retries
         self._store_prefetch: tuple[str, int, list] | None = None
+        # request -> tokens whose blocks were evicted or slid out of the window (whole
+        # blocks, all before the first kept one's end: eviction/base.py); its block table
+        # holds the kept blocks only, and its later blocks are never cached
+        self.num_evicted_tokens: dict[str, int] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -143,8 +147,8 @@ class KVCacheManager:
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
                      extra_keys: bytes = b"") -> None:
         """Register the request's newly full and computed blocks in the prefix cache."""
-        if not self.enable_caching:
-            return
+        if not self.enable_caching or self.num_evicted_tokens.get(request_id):
+            return  # after an eviction a block's KV is not its full prefix's any more
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
@@ -177,6 +181,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.get(request_id, [])
         computed = list(new_computed_blocks or ())
+        num_computed_tokens -= self.num_evicted_tokens.get(request_id, 0)  # kept-block index
         total = num_computed_tokens + num_new_tokens
         have = len(blocks) + len(computed)
         num_new = max(0, self.num_blocks_needed(total) - have)
@@ -212,9 +217,12 @@ class KVCacheManager:
         request (reference counts up; copy-on-write happens on the next write)."""
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already owns blocks")
-        shared = self.req_to_blocks[parent_id][:self.num_blocks_needed(num_tokens)]
+        evicted = self.num_evicted_tokens.get(parent_id, 0)
+        shared = self.req_to_blocks[parent_id][:self.num_blocks_needed(num_tokens - evicted)]
         self.block_pool.touch(shared)
         self.req_to_blocks[child_id] = list(shared)
+        if evicted:
+            self.num_evicted_tokens[child_id] = evicted
         self.num_cached_blocks[child_id] = min(self.num_cached_blocks.get(parent_id, 0),
                                                len(shared))
         if parent_id in self.req_to_hashes:
@@ -228,6 +236,7 @@ class KVCacheManager:
         request's last blocks are the least likely to be shared).
         """
         blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_evicted_tokens.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self.req_to_hashes.pop(request_id, None)
         self.store_loaded.pop(request_id, None)
@@ -240,13 +249,42 @@ class KVCacheManager:
         """Free the tail blocks of ``request_id`` beyond the first ``ceil(num_tokens /
         block_size)`` (speculative decoding: the slots of rejected drafts roll back)."""
         blocks = self.req_to_blocks.get(request_id)
-        keep = self.num_blocks_needed(num_tokens)
+        keep = self.num_blocks_needed(num_tokens - self.num_evicted_tokens.get(request_id, 0))
         if not blocks or len(blocks) <= keep:
             return
         tail = blocks[keep:]
         del blocks[keep:]
         self.num_cached_blocks[request_id] = min(self.num_cached_blocks.get(request_id, 0), keep)
         self.block_pool.free_blocks(list(reversed(tail)))
+
+    def evict_blocks(self, request_id: str, indices: list[int]) -> list[int]:
+        """Drop the blocks at ``indices`` of the block table of ``request_id`` and return
+        them to the pool at once (KV eviction, a sliding window). Each must be a full,
+        computed block before the table's last one. From now on the request's blocks are
+        not cached (their KV was computed without the evicted context); blocks cached
+        before keep their hashes, whose KV is still exactly their full prefix's.
+
+        Returns:
+            The freed block ids.
+
+        Raises:
+            ValueError: for an index out of range, repeated, or the last block.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        picked = sorted(set(indices))
+        if len(picked) != len(indices) or any(not 0 <= i < len(blocks) - 1 for i in picked):
+            raise ValueError(f"evict_blocks: bad block indices {indices} for a table of "
+                             f"{len(blocks)} blocks (the last one is never evicted)")
+        if not picked:
+            return []
+        gone = [blocks[i] for i in picked]
+        for i in reversed(picked):
+            del blocks[i]
+        self.num_evicted_tokens[request_id] = (self.num_evicted_tokens.get(request_id, 0)
+                                               + len(picked) * self.block_size)
+        self.num_cached_blocks[request_id] = 0
+        self.block_pool.free_blocks(gone)
+        return [b.block_id for b in gone]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of ``request_id`` (a fresh list of block ids)."""

@@ -58,7 +58,8 @@ class CpuDecodeStep:
         kernels = get_cpu_kernels()
         md = attn_metadata
         if kernels is None or getattr(md, "num_prefills", 1) != 0 or \
-                getattr(md, "decode_block_table", None) is None:
+                getattr(md, "decode_block_table", None) is None or \
+                getattr(md, "block_scores", None) is not None:  # KV eviction: scored path
             return None
         code = DTYPE_CODES.get(hidden.dtype)
         key_cache = kv_caches[0][0]

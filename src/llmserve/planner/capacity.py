@@ -94,6 +94,9 @@ class CapacityPlan:
     num_blocks: int
     weight_format: str
     kv_cache_dtype: str
+    # blocks one sequence holds at most whatever its length (llmserve's cap: a sliding
+    # window on every layer, or --kv-budget-tokens; scheduler/kv_limits.py), or None
+    max_blocks_per_sequence: int | None = None
 
     @property
     def usable_blocks(self) -> int:
@@ -108,8 +111,10 @@ class CapacityPlan:
 
     @property
     def blocks_per_sequence(self) -> int:
-        """``ceil(max_model_len / block_size)``."""
-        return _cdiv(self.max_model_len, self.block_size)
+        """``ceil(max_model_len / block_size)``, at most ``max_blocks_per_sequence``."""
+        blocks = _cdiv(self.max_model_len, self.block_size)
+        cap = self.max_blocks_per_sequence
+        return blocks if cap is None else min(blocks, cap)
 
     @property
     def max_num_seqs(self) -> int:
@@ -179,7 +184,9 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
                   activation_reserve: int | str | None = None,
                   weight_format: str | WeightFormat = "auto", kv_cache_dtype: str = "auto",
                   block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None,
-                  concurrency: int = 1, file_weight_bytes: int | None = None) -> CapacityPlan:
+                  concurrency: int = 1, file_weight_bytes: int | None = None,
+                  kv_budget_tokens: int | None = None,
+                  max_num_batched_tokens: int = 2048) -> CapacityPlan:
     """Size the KV cache of one tp x pp group of devices with ``gpu_memory`` bytes each.
 
     ``gpu_memory``: bytes or a size string (``"80GiB"``). ``num_gpus``: devices
@@ -189,6 +196,11 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     sequence (default the model's ``max_position_embeddings``).
     ``file_weight_bytes``: the real size of all weights (a GGUF file), split
     over devices in the ledger's proportions instead of ``weight_format``.
+    ``kv_budget_tokens``: llmserve's per-sequence KV eviction budget. It, or a sliding
+    window on every layer (Mistral), caps the blocks of a sequence at
+    ``budget // block_size + ceil(chunk / block_size) + 1`` or
+    ``ceil((window + chunk) / block_size) + 1`` with ``chunk = max_num_batched_tokens``
+    (a prefill chunk's blocks come before the old ones are freed).
     Never raises for a model that does not fit: see :attr:`CapacityPlan.fits`.
 
     Raises:
@@ -225,8 +237,15 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     per_token = kv_cache_bytes_per_token(m, kv_cache_dtype, tp, pp)
     blocks = num_kv_cache_blocks(budget, block_size, per_token) \
         if budget >= block_size * per_token else 0
+    chunk = _cdiv(_positive_int("max_num_batched_tokens", max_num_batched_tokens), block_size)
+    cap = None
+    if kv_budget_tokens is not None:
+        cap = _positive_int("kv_budget_tokens", kv_budget_tokens) // block_size + chunk + 1
+    elif m.sliding_window is not None and all(m.layer_window(i) is not None
+                                              for i in range(m.num_hidden_layers)):
+        cap = _cdiv(m.sliding_window + max_num_batched_tokens, block_size) + 1
     return CapacityPlan(
-        model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
+        max_blocks_per_sequence=cap, model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
         block_size=block_size, max_model_len=context, concurrency=concurrency,
         gpu_memory=memory, gpu_memory_utilization=gpu_memory_utilization, usable_bytes=usable,
         weight_bytes=weights, activation_bytes=activations, kv_budget_bytes=budget,

@@ -157,7 +157,9 @@ def _capacity_rows(m: PlannerModel, plan: CapacityPlan, reserve_given: bool) -> 
          f"{_n(plan.kv_bytes_per_token)} B))", _n(plan.num_blocks)),
         (sec, "tokens", f"({_n(plan.num_blocks)} - 1 null block) x {bs}", _n(plan.num_tokens)),
         (sec, "sequences", f"floor({_n(plan.usable_blocks)} / ceil({_n(plan.max_model_len)} / "
-         f"{bs})) at {_n(plan.max_model_len)} tokens", _n(plan.max_num_seqs)),
+         f"{bs})) at {_n(plan.max_model_len)} tokens" if plan.max_blocks_per_sequence is None
+         else f"floor({_n(plan.usable_blocks)} / {_n(plan.blocks_per_sequence)} blocks, the "
+         f"per-sequence cap) at {_n(plan.max_model_len)} tokens", _n(plan.max_num_seqs)),
         (sec, "longest context", f"all {_n(plan.usable_blocks)} blocks to one sequence (model "
          f"max {_n(m.max_position_embeddings)})", _n(plan.max_single_context)),
     ]

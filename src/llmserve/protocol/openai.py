@@ -142,6 +142,10 @@ class SamplingFields(RequestModel):
     priority: int = 0
     cache_salt: str | None = _doc(minLength=1)  # requests with other salts share no cache
     prompt_logprobs: int | None = _doc(minimum=0, maximum=20)  # vLLM: top-k per prompt token
+    # llmserve extras: this request's KV eviction (kv_cache/eviction; engine defaults: None)
+    kv_eviction_policy: str | None = None  # none | streaming_llm | h2o | snapkv
+    kv_budget_tokens: int | None = _doc(minimum=1)
+    num_sink_tokens: int | None = _doc(minimum=0)
 
 
 class CompletionRequest(SamplingFields):

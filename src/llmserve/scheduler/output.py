@@ -19,6 +19,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Any = None  # a llmserve.lora.LoRARequest, None = the base model
+    # tokens whose blocks were evicted or slid out (whole blocks before the kept ones):
+    # position p lives in block_ids[(p - num_evicted_tokens) // block_size]
+    num_evicted_tokens: int = 0
 
 
 @dataclass
@@ -33,6 +36,7 @@ class CachedRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     resumed_from_preemption: bool = False
+    num_evicted_tokens: int = 0  # as NewRequestData's
 
 
 @dataclass
@@ -60,6 +64,9 @@ class SchedulerOutput:
     # speculative decoding: the drafts scheduled after a decode's last token; they are
     # the last len(drafts) of its num_scheduled_tokens (vLLM's name)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV eviction (H2O, SnapKV): request -> the first query position whose attention
+    # the runner sums per kept block this step (ModelRunnerOutput.kv_block_scores)
+    kv_score_from: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +92,10 @@ class ModelRunnerOutput:
     # with the first sampled token: per prompt token 1..P-1 (ids, logprobs, rank), or None
     # when they could not be computed (see worker/prompt_logprobs.py)
     prompt_logprobs: dict[str, list | None] = field(default_factory=dict)
+    # KV eviction: per request of SchedulerOutput.kv_score_from, the attention mass its
+    # scored query rows put on each block of its block table (summed over layers and
+    # query heads), aligned with the table it ran with
+    kv_block_scores: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -92,6 +92,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.host_block_ids: list[int] = []  # while SWAPPED
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
+        self.eviction = None  # kv_cache.eviction.EvictionState when a KV budget applies
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower ``priority`` first, then earlier arrival (vLLM)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from llmserve.config import SchedulerConfig
 from llmserve.kv_cache import BlockPool, KVCacheManager
+from llmserve.scheduler.kv_limits import KVLimiter
 from llmserve.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -87,7 +88,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, kv_limits: KVLimiter | None = None) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
@@ -109,20 +110,28 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         # multi-LoRA: at most this many distinct adapters run at once (0: no limit)
         self.max_loras = max_loras
+        # sliding-window freeing and KV eviction (scheduler/kv_limits.py), or None
+        self.kv_limits = kv_limits
 
     # ------------------------------------------------------------------ admission
-    def check_request_fits(self, num_prompt_tokens: int) -> None:
-        """Refuse a prompt that can never run.
+    def check_request_fits(self, num_prompt_tokens: int, params=None) -> None:
+        """Refuse a prompt that can never run (``params``: its SamplingParams, for the
+        per-request KV eviction settings; a capped sequence needs only its cap).
 
         Raises:
             ValueError: if the prompt (plus one output token) exceeds
-                ``max_model_len`` or needs more blocks than the whole cache.
+                ``max_model_len`` or needs more blocks than the whole cache, or for bad
+                eviction settings.
         """
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt is too long: {num_prompt_tokens} tokens, but max_model_len is "
                 f"{self.max_model_len} (prompt plus at least one output token must fit)")
         need = self.kv_cache_manager.num_blocks_needed(num_prompt_tokens + 1)
+        if self.kv_limits is not None:
+            cap = self.kv_limits.max_blocks(self.kv_limits.make_state(params),
+                                            self.config.max_num_batched_tokens)
+            need = need if cap is None else min(need, cap)
         if need > self.kv_cache_manager.num_usable_blocks:
             cap = self.kv_cache_manager.num_usable_blocks * self.block_size
             raise ValueError(
@@ -137,7 +146,9 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_request_fits(request.num_prompt_tokens)
+        self.check_request_fits(request.num_prompt_tokens, request.sampling_params)
+        request.eviction = (self.kv_limits.make_state(request.sampling_params)
+                            if self.kv_limits is not None else None)
         self.requests[request.request_id] = request
         leader = self.requests.get(request.fork_from) if request.fork_from else None
         if leader is not None and not leader.is_finished():
@@ -202,6 +213,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         num_blocks = cdiv(req.num_computed_tokens, self.block_size)
         if (self.swap and num_blocks and self.host_pool is not None
+                and not kv.num_evicted_tokens.get(req.request_id)  # evicted: recompute
                 and self.host_pool.get_num_free_blocks() >= num_blocks):
             device_ids = kv.get_block_ids(req.request_id)[:num_blocks]
             host_ids = [b.block_id for b in self.host_pool.get_new_blocks(num_blocks)]
@@ -212,6 +224,8 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
+            if req.eviction is not None:  # its blocks are gone: start the bookkeeping anew
+                req.eviction.reset()
         req.spec_token_ids = []
         kv.free(req.request_id)
         req.num_preemptions += 1
@@ -248,6 +262,8 @@ class Scheduler:
                 i += 1
                 continue
             num_slots = num_new + self._lookahead(req.num_computed_tokens + num_new)
+            if self.kv_limits is not None:  # free slid-out / evicted blocks first
+                self.kv_limits.before_allocate(req, num_slots)
             copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_slots)
             while copies is None:
                 victim = self.running[-1]  # most recently admitted / lowest priority
@@ -305,12 +321,18 @@ class Scheduler:
                 self._seen_by_runner.add(req.request_id)
                 out.scheduled_new_reqs.append(NewRequestData(
                     req.request_id, list(req.all_token_ids), req.sampling_params, block_ids,
-                    req.num_computed_tokens, req.lora_request))
+                    req.num_computed_tokens, req.lora_request,
+                    kv.num_evicted_tokens.get(req.request_id, 0)))
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req.request_id, block_ids, req.num_computed_tokens,
-                    resumed_from_preemption=req.request_id in admitted))
+                    resumed_from_preemption=req.request_id in admitted,
+                    num_evicted_tokens=kv.num_evicted_tokens.get(req.request_id, 0)))
             out.num_scheduled_tokens[req.request_id] = num_new
+            if req.eviction is not None:
+                first = KVLimiter.score_from(req, num_new)
+                if first is not None:
+                    out.kv_score_from[req.request_id] = first
             num_spec = num_new - (req.num_tokens - req.num_computed_tokens)
             if num_spec > 0:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
@@ -422,6 +444,9 @@ class Scheduler:
             drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
             # rejected drafts: their KV slots are rolled back (recomputed if ever needed)
             req.num_computed_tokens += num_new - (len(drafts) - len(tokens) + 1 if drafts and tokens else 0)
+            scores = runner_out.kv_block_scores.get(req_id)
+            if scores is not None and req.eviction is not None:  # H2O / SnapKV votes
+                req.eviction.add_scores(scores)
             finished = False
             new_tokens: list[int] = []
             for t in tokens:  # EOS, a stop id or max_tokens may fall inside a drafted run
@@ -473,6 +498,10 @@ class Scheduler:
             self.kv_cache_manager.fork(leader.request_id, child.request_id,
                                        child.num_prompt_tokens)
             child.num_computed_tokens = child.num_prompt_tokens - 1
+            if child.eviction is not None and leader.eviction is not None:
+                n = len(self.kv_cache_manager.req_to_blocks.get(child.request_id, ()))
+                child.eviction.logical = list(leader.eviction.logical[:n])
+                child.eviction.scores = list(leader.eviction.scores[:n])
             child.num_cached_tokens = max(leader.num_cached_tokens, 0)
             child.fork_from = None
             child.status = RequestStatus.WAITING

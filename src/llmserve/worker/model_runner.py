@@ -52,6 +52,9 @@ class CachedRequestState:
     prompt_logprobs: list | None = None  # entries of prompt tokens 1.. (prompt_logprobs.py)
     grammar: Any = None  # structured outputs: a GrammarMatcher, advanced by each token
     lora_request: Any = None  # a llmserve.lora.LoRARequest (None: the base model)
+    # KV eviction / sliding window: tokens whose blocks left the table (whole blocks
+    # before the kept ones); position p lives in block_ids[(p - this) // block_size]
+    num_evicted_tokens: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -164,6 +167,7 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens,
                 [] if sp.prompt_logprobs is not None else None,
                 lora_request=getattr(new, "lora_request", None))
+            self.requests[new.req_id].num_evicted_tokens = new.num_evicted_tokens
             so = sp.structured_outputs
             if so is not None:  # compiled by the engine when the request was added
                 self.requests[new.req_id].grammar = so.compiled.new_matcher()
@@ -171,6 +175,7 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids = list(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.num_evicted_tokens = cached.num_evicted_tokens
 
     def drop_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -195,6 +200,7 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int64)
         offset = 0
+        cpos_parts = []  # positions in the kept blocks (true positions minus evicted)
         self._layout = []  # (state, first row, first position, tokens): prompt logprobs
         for i, (state, qlen) in enumerate(zip(states, query_lens)):
             start = state.num_computed_tokens
@@ -205,8 +211,10 @@ class ModelRunner:
             blocks = np.asarray(state.block_ids, dtype=np.int64)
             block_table[i, :len(blocks)] = blocks
             pos_parts.append(pos)
-            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
+            cpos = pos - state.num_evicted_tokens  # RoPE keeps `pos`; slots and masks: kept
+            cpos_parts.append(cpos)
+            slot_parts.append(blocks[cpos // bs] * bs + cpos % bs)
+            seq_lens.append(end - state.num_evicted_tokens)
             offset += qlen
             if end == len(state.token_ids):  # reached the end: sample the next token
                 logits_idx.append(offset - 1)
@@ -214,12 +222,13 @@ class ModelRunner:
         input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
         pos_np = np.concatenate(pos_parts)
         positions = torch.from_numpy(pos_np)
+        cpos_np = np.concatenate(cpos_parts)  # positions in the kept blocks
         if getattr(self.config, "deterministic", False):  # each token a one-token decode
             num_decode_seqs = len(query_lens)
         num_decodes = sum(query_lens[:num_decode_seqs])
         if num_decodes > num_decode_seqs:  # a decode group with recomputed output tokens
             ql, sl, table = per_token_metadata(query_lens[:num_decode_seqs],
-                                               pos_np[:num_decodes],
+                                               cpos_np[:num_decodes],
                                                block_table[:num_decode_seqs])
             query_lens = ql + query_lens[num_decode_seqs:]
             seq_lens = sl + seq_lens[num_decode_seqs:]
@@ -239,8 +248,29 @@ class ModelRunner:
             block_size=bs,
             sliding_window=self.sliding_window,
         )
+        self._scored = self._block_score_requests(sched, states, common)
         return (input_ids.to(self.device), positions.to(self.device), common,
                 torch.tensor(logits_idx, dtype=torch.long, device=self.device), sample_states)
+
+    def _block_score_requests(self, sched: SchedulerOutput, states: list, common) -> dict:
+        """KV eviction (H2O, SnapKV): ``{req_id: BlockScoreRequest}`` for the requests
+        whose attention the scheduler wants summed per block; set on ``common``."""
+        if not sched.kv_score_from or getattr(self.config, "deterministic", False):
+            return {}
+        from llmserve.layers.attention.scored import BlockScoreRequest
+
+        wanted: dict[int, BlockScoreRequest] = {}
+        by_req = {}
+        for i, state in enumerate(states):
+            first = sched.kv_score_from.get(state.req_id)
+            if first is None:
+                continue
+            req = BlockScoreRequest(max(0, first - state.num_computed_tokens), torch.zeros(
+                len(state.block_ids), dtype=torch.float32, device=self.device))
+            wanted[i] = by_req[state.req_id] = req
+        if wanted:
+            common.block_scores = wanted
+        return by_req
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -260,6 +290,8 @@ class ModelRunner:
             self.lora_manager.prepare_step([(s.lora_request, n) for s, _, _, n in self._layout],
                                            common.num_decodes)
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        for req_id, scored in self._scored.items():
+            out.kv_block_scores[req_id] = scored.scores.tolist()
         if wants_prompt_logprobs(self._layout):
             collect_prompt_logprobs(self.model, hidden, self._layout)
         if not sample_states:

@@ -329,7 +329,9 @@ class OpenAIServing:
         kw = dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                   presence_penalty=req.presence_penalty,
                   frequency_penalty=req.frequency_penalty, top_k=req.top_k, min_p=req.min_p,
-                  repetition_penalty=req.repetition_penalty)
+                  repetition_penalty=req.repetition_penalty,
+                  kv_eviction_policy=req.kv_eviction_policy,
+                  kv_budget_tokens=req.kv_budget_tokens, num_sink_tokens=req.num_sink_tokens)
         try:
             return SamplingParams(
                 n=1, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,

@@ -45,6 +45,9 @@ class CommonAttentionMetadata:
     # A token attends to at most the last `sliding_window` positions, itself
     # included (Hugging Face Mistral semantics: key_pos > query_pos - window).
     sliding_window: int | None = None
+    # KV eviction by attention: {sequence index: scored.BlockScoreRequest}; when set the
+    # step's attention runs through layers/attention/scored.py and sums block scores
+    block_scores: dict | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -80,6 +80,8 @@ class CpuAttentionMetadata:
     # quantized KV (kv_quant.py): each prefill token as a one-token decode, built on first
     # use: (block_table [num_prefill_tokens, W] int64, seq_lens [num_prefill_tokens] int64)
     quant_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+    # KV eviction wants block scores this step (layers/attention/scored.py), or None
+    block_scores: dict | None = None
 
     def for_window(self, window: int | None) -> CpuAttentionMetadata:
         """This step's metadata with sliding window ``window`` (self when it already is),
@@ -114,6 +116,7 @@ class CpuAttentionMetadata:
                                         None, None, self.sliding_window, self.prefills,
                                         self.prefill_index)
         decodes.split_of, prefills.split_of = (self, 0), (self, 1)
+        decodes.block_scores = prefills.block_scores = self.block_scores
         return decodes, prefills
 
 
@@ -260,7 +263,7 @@ def _build_metadata(common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         num_prefills=num_prefills, decode_block_table=decode_block_table,
         decode_seq_lens=decode_seq_lens, decode_mask=None, sliding_window=window,
         prefills=prefills, prefill_index=_build_prefill_index(prefills, common.block_size)
-        if prefills else None, common=common)
+        if prefills else None, common=common, block_scores=common.block_scores)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -276,6 +279,11 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
+        if metadata.block_scores is not None and metadata.common is not None:
+            from llmserve.layers.attention.scored import scored_attention  # KV eviction
+
+            self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+            return scored_attention(self, query, key_cache, value_cache, metadata.common)
         if self.sliding_window is not None:  # this layer's own window
             metadata = metadata.for_window(self.sliding_window)
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)

@@ -38,6 +38,10 @@ class ReferenceAttentionBackend(AttentionBackend):
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CommonAttentionMetadata) -> torch.Tensor:
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if metadata.block_scores is not None:  # KV eviction wants block scores
+            from llmserve.layers.attention.scored import scored_attention
+
+            return scored_attention(self, query, key_cache, value_cache, metadata)
         block_size = key_cache.shape[1]
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         start = 0
