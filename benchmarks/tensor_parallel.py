@@ -52,26 +52,37 @@ def main() -> int:
               kv_cache_memory="128MiB", max_model_len=1024)
     prompts = [f"Write a short story about a robot named R{i}." for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    engines = {1: LLM(**kw), args.tp: LLM(tensor_parallel_size=args.tp, **kw)}
+    import torch
+
+    full_threads = torch.get_num_threads()
+    single = LLM(**kw)
+    engines = {"tp1": single, "tp1_1thread": single,
+               f"tp{args.tp}": LLM(tensor_parallel_size=args.tp, **kw)}
+    # tp=1 runs with all the threads and with one; the tp driver with its share (as its
+    # workers): on a loaded box, OpenMP threads that wait at barriers distort tp1
+    threads = {"tp1": full_threads, "tp1_1thread": 1, f"tp{args.tp}": torch.get_num_threads()}
     for llm in engines.values():  # warm-up
         _round(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2))
-    samples: dict[int, list[tuple[float, int, int]]] = {tp: [] for tp in engines}
+    samples: dict[str, list[tuple[float, int, int]]] = {tp: [] for tp in engines}
     for _ in range(args.rounds):
         for tp, llm in engines.items():
+            torch.set_num_threads(threads[tp])
             samples[tp].append(_round(llm, prompts, params))
-    runner = engines[args.tp].engine.runner
+    runner = engines[f"tp{args.tp}"].engine.runner
     report = {"model": model or "smollm2-135m-instruct", "dtype": args.dtype,
+              "threads": threads, "load_average": [round(x, 1) for x in __import__("os").getloadavg()],
               "batch": args.batch, "output_len": args.output_len, "rounds": args.rounds}
     for tp, rows in samples.items():
-        report[f"tp{tp}"] = {
+        report[tp] = {
             "step_time_ms": round(statistics.median(s / n * 1e3 for s, _, n in rows), 2),
             "tokens_per_s": round(statistics.median(t / s for s, t, _ in rows), 2)}
-    report["step_time_ratio"] = round(report[f"tp{args.tp}"]["step_time_ms"]
-                                      / report["tp1"]["step_time_ms"], 2)
+    for base in ("tp1", "tp1_1thread"):
+        report[f"step_time_ratio_vs_{base}"] = round(
+            report[f"tp{args.tp}"]["step_time_ms"] / report[base]["step_time_ms"], 2)
     report["broadcast_ms_per_step"] = round(runner.broadcast_s / max(runner.num_broadcasts, 1)
                                             * 1e3, 3)
     print(json.dumps(report, indent=2))
-    engines[args.tp].engine.shutdown()
+    engines[f"tp{args.tp}"].engine.shutdown()
     return 0
 
 
