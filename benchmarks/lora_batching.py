@@ -93,6 +93,7 @@ def main() -> int:
             adapters.append(LoRARequest(f"a{k}", k + 1, os.path.join(tmp, f"a{k}")))
         llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
         results["enable_lora, base only"] = best(llm, None)
+        print(f"enable_lora, base only: {results['enable_lora, base only']:.2f} s", flush=True)
         for n in (1, 2, 4):
             loras = [adapters[i % n] for i in range(args.num_prompts)]
             results[f"{n} adapter{'s' if n > 1 else ''}"] = best(llm, loras)
