@@ -172,7 +172,7 @@ def full_precision(llm_fp32):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("fmt,bound", [("int8", 0.5), ("fp8", 0.4)])  # measured 0.745, 0.677
+@pytest.mark.parametrize("fmt,bound", [("int8", 0.5), ("fp8", 0.4)])  # measured 0.75-0.80, 0.68-0.70
 def test_greedy_tokens_agree_with_full_precision_kv(llm_fp32, full_precision, fmt, bound):
     prompts, ref = full_precision
     llm = engine_variant(llm_fp32, cache={"kv_cache_dtype": fmt})
