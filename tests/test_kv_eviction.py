@@ -230,20 +230,21 @@ def test_long_generation_in_a_fixed_number_of_blocks_per_policy(tiny):
     assert engine.scheduler.stats.num_preemptions_total == 0
 
 
+@pytest.mark.model
 def test_default_model_streaming_llm_long_generation(gguf_path):
     """The default model (SmolLM2-135M, bf16, native 4-bit), engine-wide StreamingLLM at
-    128 tokens: two batched 1,040-token sequences (8 budgets) in a 24-block pool (384
-    tokens, block size 16)."""
+    32 tokens: two batched 256-token generations (8 budgets each) in a 12-block pool (96
+    tokens, block size 8)."""
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(gguf_path, block_size=16, num_gpu_blocks_override=25, max_num_batched_tokens=128,
-              kv_eviction_policy="streaming_llm", kv_budget_tokens=128, num_sink_tokens=4)
+    llm = LLM(gguf_path, block_size=8, num_gpu_blocks_override=13, max_num_batched_tokens=32,
+              kv_eviction_policy="streaming_llm", kv_budget_tokens=32, num_sink_tokens=4)
     assert llm.engine.max_kv_tokens == llm.engine.max_model_len  # capped: may run long
-    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     reqs = {"a": ("Write a long story about a dragon.", params),
             "b": ("List the prime numbers in order, starting with 2.", params)}
-    counts, peak = _generate_checking_blocks(llm.engine, reqs, {"a": 8, "b": 8})
-    assert counts == {"a": 1024, "b": 1024} and peak <= 16
+    counts, peak = _generate_checking_blocks(llm.engine, reqs, {"a": 4, "b": 4})
+    assert counts == {"a": 256, "b": 256} and peak <= 8
 
 
 def test_scored_attention_equals_reference_and_sums_probabilities(monkeypatch):
