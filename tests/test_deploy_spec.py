@@ -189,3 +189,21 @@ def test_worker_args_pass_speculative_config_and_kv_store():
     cfg = SpeculativeConfig.from_value(b.speculative_config)
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
             cfg.prompt_lookup_max) == ("ngram", 3, 1, 1)
+
+
+def test_worker_args_pass_tensor_parallel_size_and_refuse_pp():
+    """tp reaches `llmserve serve --tensor-parallel-size` (parsed by the real CLI, and
+    the engine's ParallelConfig accepts it for the default model's 9 heads); pp, which
+    the engine does not run, is refused naming the field."""
+    from llmserve.config import ParallelConfig
+    from llmserve.deploy.local import worker_args
+    from llmserve.entrypoints.cli import build_parser
+
+    spec = parse_spec(GOOD.replace("max_num_seqs: 8,", "tp: 3, max_num_seqs: 8,"))
+    a = build_parser().parse_args(["serve", *worker_args(spec.models[0])])
+    assert a.tensor_parallel_size == 3
+    ParallelConfig(tensor_parallel_size=a.tensor_parallel_size)
+    assert "--tensor-parallel-size" not in worker_args(parse_spec(GOOD).models[0])
+    pp = parse_spec(GOOD.replace("max_num_seqs: 8,", "pp: 2, max_num_seqs: 8,"))
+    with pytest.raises(ValueError, match=r"worker\.pp"):
+        worker_args(pp.models[0])

@@ -76,13 +76,13 @@ def worker_args(m: ModelSpec, tuned: dict | None = None,
 
     Raises:
         ValueError: a setting ``llmserve serve`` does not start locally yet
-            (parallelism), naming the spec field.
+            (pipeline, data or expert parallelism), naming the spec field.
     """
     w = m.worker
-    for name in ("tp", "pp", "dp", "ep"):
+    for name in ("pp", "dp", "ep"):
         if getattr(w, name) != 1:
-            raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` runs one "
-                             f"process per replica; {name} > 1 is rendered for Kubernetes "
+            raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` has tensor "
+                             f"parallelism only; {name} > 1 is rendered for Kubernetes "
                              "but not started locally")
     args = ["--model", m.source, "--served-model-name", m.name, "--dtype", m.dtype,
             "--quantization", m.quantization, "--max-num-seqs", str(w.max_num_seqs),
@@ -98,6 +98,8 @@ def worker_args(m: ModelSpec, tuned: dict | None = None,
         args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
     if m.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", m.kv_cache_dtype]
+    if w.tp != 1:  # the replica's own rank processes (llmserve.distributed)
+        args += ["--tensor-parallel-size", str(w.tp)]
     if w.max_model_len is not None:
         args += ["--max-model-len", str(w.max_model_len)]
     if m.speculative is not None:
