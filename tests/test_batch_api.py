@@ -60,7 +60,9 @@ def lines(c: openai.OpenAI, file_id: str) -> list[dict]:
 
 def test_sdk_flow_kill9_resume_cancel_and_errors(tmp_path):
     batch_dir = str(tmp_path / "batches")
-    first = start_server("--api-key", KEY, "--batch-dir", batch_dir)
+    # two requests in flight: results land two at a time, so the kill after the third
+    # is mid-batch (with all 16 in flight they finish in the same steps, before it)
+    first = start_server("--api-key", KEY, "--batch-dir", batch_dir, "--max-num-seqs", "2")
     try:
         c = client(first.url)
         f = c.files.create(file=("in.jsonl", io.BytesIO(batch_input(N)), "application/jsonl"),
