@@ -222,3 +222,16 @@ def reference_model(model, deq: dict[str, torch.Tensor]):
         for name, w in deq.items():
             ref.get_submodule(name).weight.copy_(w)
     return ref.float().eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one full forward per token
+    (no generate()): the oracle the checkpoint tests compare llmserve against."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out

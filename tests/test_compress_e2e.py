@@ -23,7 +23,7 @@ from llmserve.compress.evaluate import evaluate, load_model, window_logits
 from llmserve.compress.pipeline import QuantizeOptions
 from llmserve.compress.quantize import quantize_checkpoint
 from llmserve.entrypoints.cli import main
-from tests.quant_checkpoints import make_hf_llama, save_tokenizer
+from tests.quant_checkpoints import hf_greedy, make_hf_llama, save_tokenizer
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [64]]
 NEW_TOKENS = 10
@@ -164,15 +164,6 @@ def _reference(out: str, fmt: str) -> torch.nn.Module:
     return ref.eval()
 
 
-def _hf_greedy(model) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = list(p)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(p):])
-    return out
 
 
 def _llm_greedy(path: str) -> list[list[int]]:
@@ -206,7 +197,7 @@ def test_quantized_checkpoint_loads_with_reference_greedy(tiny, tmp_path, method
         assert weights.num_bits == bits
         assert weights.group_size == (None if group == -1 else group)
     ref = _reference(out, fmt)
-    assert _llm_greedy(out) == _hf_greedy(ref)
+    assert _llm_greedy(out) == hf_greedy(ref, PROMPTS, NEW_TOKENS)
     if fmt == "gptq" and bits == 4:  # eval: dequantized-at-load == the native int4 kernel
         dense = evaluate(out, reference=path, text=_read(text), seq_len=48)
         native = evaluate(out, reference=path, text=_read(text), seq_len=48,

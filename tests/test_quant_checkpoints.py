@@ -30,7 +30,7 @@ from llmserve.layers.quantization.int_group import (
 )
 from llmserve.layers.quantization.w8a8 import W8A8LinearMethod
 from llmserve.loader.safetensors_loader import iter_safetensors_weights
-from tests.quant_checkpoints import make_hf_llama, reference_model, write_checkpoint
+from tests.quant_checkpoints import hf_greedy, make_hf_llama, reference_model, write_checkpoint
 
 try:
     import compressed_tensors  # noqa: F401 - the reference packer of its format
@@ -77,16 +77,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _hf_greedy(model) -> list[list[int]]:
-    """Greedy continuation of each prompt, one full forward per token (no generate())."""
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = list(p)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(p):])
-    return out
 
 
 def _methods(llm: LLM) -> dict[str, str]:
@@ -113,7 +103,7 @@ def test_native_greedy_equals_transformers(hf_model, tmp_path, variant):
     assert methods["lm_head"] == ("Int4GroupLinearMethod" if opts.get("lm_head")
                                   else "UnquantizedLinearMethod")
     ref = reference_model(hf_model, deq)
-    assert _greedy(llm) == _hf_greedy(ref)
+    assert _greedy(llm) == hf_greedy(ref, PROMPTS, NEW_TOKENS)
     with torch.no_grad():  # the fp32 kernel's weights are exact: only summation order differs
         want = ref(torch.tensor([PROMPTS[1]])).logits[0, -1]
     torch.testing.assert_close(_prompt_logits(llm, PROMPTS[1]), want, rtol=1e-4, atol=1e-4)
@@ -153,7 +143,7 @@ def test_quantization_none_and_bf16(hf_model, tmp_path):
     """``--quantization none`` dequantizes at load (same tokens); bfloat16 runs the
     vectorized kernel with bf16-rounded scales (logits close to the fp32 kernel's)."""
     deq = write_checkpoint(hf_model, str(tmp_path), "awq", group=32)
-    want = _hf_greedy(reference_model(hf_model, deq))
+    want = hf_greedy(reference_model(hf_model, deq), PROMPTS, NEW_TOKENS)
     dense = _llm(str(tmp_path), quantization="none")
     assert set(_methods(dense).values()) == {"UnquantizedLinearMethod"}
     assert _greedy(dense) == want
@@ -191,7 +181,7 @@ def test_w8a8_dynamic_per_token(hf_model, tmp_path):
     llm = _llm(str(tmp_path))
     methods = _methods(llm)
     assert {m for n, m in methods.items() if n != "lm_head"} == {"W8A8LinearMethod"}
-    assert _greedy(llm) == _hf_greedy(_int8_reference(hf_model, deq))
+    assert _greedy(llm) == hf_greedy(_int8_reference(hf_model, deq), PROMPTS, NEW_TOKENS)
     # logits: close to the same-quantization reference (float32 reordering flips a few
     # int8 roundings: measured 0.4% of the logit range); versus the dense model on the
     # dequantized weights the int8 activations cost more (measured 3.4% of the range)
