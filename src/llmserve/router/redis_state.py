@@ -180,6 +180,10 @@ class RedisState(MemoryState):
                                          "membership changes are refused until it is back")
         status, wid = out[0].decode(), out[1].decode()
         if status == "url":
+            if wid not in self.pool.workers:  # so GET /workers lists it right away
+                w = self._cache_worker(wid, url)
+                if self.on_new_worker is not None:
+                    asyncio.create_task(self.on_new_worker(w))
             raise ValueError(f"worker: {url} is already in the pool")
         if status == "id":
             raise ValueError(f"id: {wid!r} is empty or already in the pool")
@@ -194,7 +198,10 @@ class RedisState(MemoryState):
         return self.pool.add(url, wid)
 
     async def drain_worker(self, worker_id: str) -> Worker:
-        w = self.pool.workers[worker_id]  # KeyError: unknown here (the cache is synced)
+        if worker_id not in self.pool.workers:  # added via another replica just now?
+            self._version = None
+            await self.sync()
+        w = self.pool.workers[worker_id]  # KeyError: no such worker
         out = await self._call("admin", "DRAIN", [worker_id])
         if out is None:
             raise SharedStateUnavailable("shared router state (Redis) is unreachable: "
