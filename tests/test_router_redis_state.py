@@ -5,6 +5,8 @@ interface as the proxy drives it (prepare -> pick -> dispatched -> finished)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 
 import pytest
 
@@ -101,7 +103,7 @@ def test_two_replicas_share_membership_load_blocks_and_dead_replica_load(redis_p
 
 
 def test_redis_gone_the_replica_routes_from_its_cache_and_comes_back():
-    from tests.gateway_procs import start_redis
+    from tests.gateway_procs import redis_server_binary, start_redis
 
     doomed = start_redis()
 
@@ -121,9 +123,29 @@ def test_redis_gone_the_replica_routes_from_its_cache_and_comes_back():
         reg = a.pool.metrics.registry
         assert reg.get_sample_value("llmserve_router:redis_up") == 0
         assert reg.get_sample_value("llmserve_router:redis_errors_total", {"op": "route"}) >= 1
+        # Redis comes back empty (restarted without persistence): the replica
+        # reconnects and gives it the membership it cached
+        os.unlink(doomed.sock)
+        reborn.append(subprocess.Popen(
+            [redis_server_binary(), "--port", "0", "--unixsocket", doomed.sock, "--save",
+             "", "--appendonly", "no", "--dir", os.path.dirname(doomed.sock)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        while not os.path.exists(doomed.sock):
+            await asyncio.sleep(0.02)
+        for _ in range(1200):  # the sync loop (every 0.05 s) reconnects; a bound only
+            if not a.degraded and await a.redis.hlen("u2:workers") == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert not a.degraded and reg.get_sample_value("llmserve_router:redis_up") == 1
+        assert await a.redis.hgetall("u2:workers") == {b"w0": URLS[0].encode(),
+                                                       b"w1": URLS[1].encode()}
         await a.stop()
 
+    reborn: list[subprocess.Popen] = []
     try:
         asyncio.run(scenario())
     finally:
         doomed.stop()
+        for p in reborn:
+            p.kill()
+            p.wait()

@@ -71,8 +71,10 @@ class RedisState(MemoryState):
         from redis.backoff import NoBackoff
 
         check_redis_url(url)
-        if min(sync_interval_s, session_ttl_s, health_ttl_s, timeout_s) <= 0:
+        if min(sync_interval_s, health_ttl_s, timeout_s) <= 0:
             raise ValueError("redis state: intervals, TTLs and timeouts must be > 0")
+        if session_ttl_s < 1:
+            raise ValueError(f"--session-ttl must be >= 1 second, got {session_ttl_s}")
         self.url, self.prefix = url, key_prefix
         self.sync_interval_s, self.session_ttl_s = sync_interval_s, session_ttl_s
         self.health_ttl_ms = int(health_ttl_s * 1000)
