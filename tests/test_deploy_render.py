@@ -139,6 +139,8 @@ def test_isolation_and_405b_shape():
         if "gateway" in name or "router" in name:
             assert "runtimeClassName" not in ps  # only the workers hold weights and prompts
     assert not by_kind(docs, "HorizontalPodAutoscaler")  # min == max
+    router = templates["llama405b-router"]["spec"]["containers"][0]["args"]
+    assert router[router.index("--redis-url") + 1].startswith("redis://")  # 2 replicas
     pols = {p["metadata"]["name"]: p["spec"] for p in by_kind(docs, "NetworkPolicy")}
     assert pols["llama405b-default-deny"]["policyTypes"] == ["Ingress"]
     assert "ingress" not in pols["llama405b-default-deny"]

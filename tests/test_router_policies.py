@@ -248,3 +248,31 @@ def test_pool_session_affinity_exclusion_and_drain():
     assert "w1" not in pool.workers
     with pytest.raises(KeyError):
         pool.drain("w1")
+
+
+def test_lora_request_hashes_as_each_workers_engine_salts_it():
+    """A request naming a LoRA adapter is hashed, per worker, with the ``lora_int_id``
+    that worker's ``/v1/models`` card publishes: exactly the engine's block hashes for
+    a Request with that adapter; cache_aware matches and records those per worker."""
+    from llmserve.lora import LoRARequest
+
+    ids = [(i * 104729) % 49152 for i in range(70)]  # 4 full blocks
+    ws = workers(0, 0)
+    for w, lid in zip(ws, (3, 7), strict=True):
+        w.models = [{"id": "base"}, {"id": "sql", "parent": "base", "lora_int_id": lid}]
+    req = RouteRequest(prompt_block_hashes(ids, BS), len(ids), BS, token_ids=ids,
+                       lora_name="sql")
+    for w, lid in zip(ws, (3, 7), strict=True):
+        eng = Request("r", ids, SamplingParams(max_tokens=1), max_tokens=1,
+                      lora_request=LoRARequest("sql", lid, "/adapters/sql"))
+        m = KVCacheManager(num_blocks=64, block_size=BS, enable_caching=True)
+        m.get_computed_blocks("r", ids, eng.extra_keys)
+        assert req.hashes_for(w) == m.req_to_hashes["r"]
+    assert req.hashes_for(ws[0])[0] not in (req.hashes_for(ws[1])[0], req.block_hashes[0])
+    p = create_policy("cache_aware")
+    p.on_routed(req, ws[1])
+    assert p.matched_blocks("w1", req.hashes_for(ws[1])) == 4
+    assert p.matched_blocks("w1", prompt_block_hashes(ids, BS)) == 0  # base != adapter
+    assert p.select(req, ws).worker is ws[1]
+    plain = Worker("w2", "http://127.0.0.1:9002")  # no adapter id published
+    assert req.hashes_for(plain) == req.block_hashes

@@ -368,6 +368,8 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
                    str(r.max_retries)]
     for u in urls:
         router_args += ["--worker", u]
+    if r.replicas > 1:  # replicas agree on workers, load and cache view through Redis
+        router_args += ["--redis-url", redis_url]
     docs += _service_deploy(spec, "router", r.replicas, router_args, ROUTER_PORT)
     gw_args = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--upstream",
                f"http://{spec.name}-router.{k.namespace}.svc:{ROUTER_PORT}", "--redis-url",

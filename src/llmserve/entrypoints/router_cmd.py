@@ -57,6 +57,17 @@ def register(subparsers) -> None:
                    help="seconds an open circuit waits before a trial request (default 5)")
     p.add_argument("--request-timeout", type=_positive_float, default=600.0,
                    help="seconds to wait for a worker's next byte (default 600)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="share routing state with other router replicas through Redis "
+                        "(redis://HOST:PORT/DB, rediss://..., unix:///path.sock): workers, "
+                        "health, load, cache view, sessions, round robin")
+    p.add_argument("--redis-key-prefix", default="llmserve:router:",
+                   help="prefix of the router's Redis keys (default llmserve:router:)")
+    p.add_argument("--redis-sync-interval", type=_positive_float, default=0.25,
+                   help="seconds between polls of shared membership and health (default "
+                        "0.25)")
+    p.add_argument("--session-ttl", type=_positive_float, default=3600.0,
+                   help="seconds a session's worker is remembered in Redis (default 3600)")
     p.add_argument("-v", "--verbose", action="store_true", help="log routing warnings")
     p.set_defaults(func=run_router)
 
@@ -82,14 +93,23 @@ def run_router(args: argparse.Namespace) -> int:
     file_cfg = load_router_config(args.config) if args.config else RouterFileConfig()
     for url in dict.fromkeys([*file_cfg.workers, *args.worker]):
         pool.add(url)
+    state = None
+    if args.redis_url:
+        from llmserve.router.redis_state import RedisState
+        state = RedisState(pool, args.redis_url, key_prefix=args.redis_key_prefix,
+                           sync_interval_s=args.redis_sync_interval,
+                           session_ttl_s=args.session_ttl,
+                           health_ttl_s=max(10.0, 5 * args.health_interval))
     app = build_app(pool, block_size=args.block_size, max_retries=args.max_retries,
                     health_interval_s=args.health_interval,
-                    request_timeout_s=args.request_timeout, tiers=file_cfg.tiers)
+                    request_timeout_s=args.request_timeout, tiers=file_cfg.tiers,
+                    state=state)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     print(f"llmserve router: listening on {url} ({len(pool.workers)} workers, "
-          f"policy {policy.name}, tiers {sorted(file_cfg.tiers) or 'none'})", flush=True)
+          f"policy {policy.name}, tiers {sorted(file_cfg.tiers) or 'none'}, state "
+          f"{'redis' if state else 'memory'})", flush=True)
     level = "info" if args.verbose else "warning"
     logging.getLogger("llmserve.router").setLevel(logging.INFO if args.verbose
                                                   else logging.WARNING)

@@ -380,6 +380,7 @@ class ModelCard(ResponseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model (vLLM)
     max_model_len: int | None = None
+    lora_int_id: int | None = None  # an adapter's prefix-cache salt (the router hashes with it)
 
 
 class ModelList(ResponseModel):

@@ -34,7 +34,8 @@ from llmserve.metrics.dashboard import register_routes, remote_snapshot, run_asy
 from llmserve.metrics.history import MetricsHistory
 from llmserve.router.health import HealthChecker
 from llmserve.router.policies import RouteRequest
-from llmserve.router.prefix import prompt_block_hashes
+from llmserve.router.prefix import lora_name_extra_keys, prompt_block_hashes
+from llmserve.router.shared_state import MemoryState, SharedStateUnavailable
 from llmserve.router.state import WorkerPool
 from llmserve.router.tiers import TierRoute, finish_reasons
 from llmserve.router.worker import Worker
@@ -51,8 +52,10 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 class Proxy:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, block_size: int = 16,
-                 max_retries: int = 2, tiers: dict[str, TierRoute] | None = None) -> None:
+                 max_retries: int = 2, tiers: dict[str, TierRoute] | None = None,
+                 state: MemoryState | None = None) -> None:
         self.pool = pool
+        self.state = state or MemoryState(pool)
         self.client = client
         self.block_size = block_size
         self.max_retries = max_retries
@@ -113,8 +116,13 @@ class Proxy:
             ids = await self.tokenize(path, body, {k: v for k, v in headers.items()
                                                    if k.lower() == "authorization"}, model)
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            req.num_tokens = len(ids)
-            req.block_hashes = prompt_block_hashes(ids, self.block_size, salt or None)
+            req.num_tokens, req.token_ids, req.cache_salt = len(ids), ids, salt or None
+            req.lora_name = self.pool.lora_name(model)
+            # a LoRA request is hashed per worker with its adapter id (req.hashes_for);
+            # block_hashes, its worker-independent key, carries the adapter's name
+            req.block_hashes = prompt_block_hashes(ids, self.block_size, salt or None) \
+                if req.lora_name is None else lora_name_extra_keys(
+                    ids, self.block_size, salt or None, req.lora_name)
         return await self.forward(path, data, headers, req, session,
                                   stream=bool(body.get("stream")), model=model)
 
@@ -149,6 +157,7 @@ class Proxy:
         last: Response | None = None
         m = self.pool.metrics
         for attempt in range(self.max_retries + 1):
+            await self.state.prepare(req, self.pool.eligible(tried, model), session)
             decision = self.pool.pick(req, session, exclude=tried, model=model)
             if decision is None:
                 break
@@ -158,20 +167,19 @@ class Proxy:
             if reason == "cache_hit":
                 m.cache_hit_tokens.inc(decision.matched_tokens)
             tried.add(w.id)
-            self.pool.routed(req, w, session)  # assume it is cached there from now on
-            w.in_flight += 1
-            w.breaker.on_send()
+            # assume it is cached there from now on; reserve a slot (refund: finished)
+            await self.state.dispatched(req, w, session)
             m.requests.labels(w.id).inc()
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", w.url + path, content=data,
                                               headers=headers), stream=True)
             except httpx.HTTPError as e:
-                self._failed(w, e)
+                await self._failed(w, e)
                 continue
             if upstream.status_code >= 500:
                 body = await _safe_read(upstream)
-                self._failed(w, f"status {upstream.status_code}")
+                await self._failed(w, f"status {upstream.status_code}")
                 last = Response(body, upstream.status_code,
                                 media_type=upstream.headers.get("content-type"))
                 continue
@@ -183,12 +191,12 @@ class Proxy:
                 first, chunks = b"", None
             except httpx.HTTPError as e:
                 await upstream.aclose()
-                self._failed(w, e)
+                await self._failed(w, e)
                 continue
             media = upstream.headers.get("content-type", "application/json")
             if not stream or chunks is None:
                 await upstream.aclose()
-                self._done(w, upstream.status_code < 500)
+                await self.state.finished(w, upstream.status_code < 500)
                 return Response(first, upstream.status_code, headers=out_headers,
                                 media_type=media)
             return StreamingResponse(self._relay(w, upstream, first, chunks),
@@ -221,24 +229,12 @@ class Proxy:
             yield f"\n\ndata: {json.dumps(err)}\n\n".encode()
         finally:
             await upstream.aclose()
-            self._done(w, ok)
+            await self.state.finished(w, ok)
 
-    def _failed(self, w: Worker, why) -> None:
+    async def _failed(self, w: Worker, why) -> None:
         logger.warning("worker %s (%s) failed before the first byte: %s", w.id, w.url, why)
-        w.in_flight -= 1
-        w.breaker.record_failure()
-        if isinstance(why, httpx.ConnectError):
-            w.healthy = False  # refused: do not wait for the next health check
         self.pool.metrics.retries.labels(w.id).inc()
-        self.pool.maybe_remove(w)
-
-    def _done(self, w: Worker, ok: bool) -> None:
-        w.in_flight -= 1
-        if ok:
-            w.breaker.record_success()
-        else:
-            w.breaker.record_failure()
-        self.pool.maybe_remove(w)
+        await self.state.finished(w, False, connect_error=isinstance(why, httpx.ConnectError))
 
     async def passthrough(self, method: str, path: str, raw: Request) -> Response:
         headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -264,16 +260,21 @@ async def _safe_read(r: httpx.Response) -> bytes:
 
 def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
               health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
-              tiers: dict[str, TierRoute] | None = None) -> FastAPI:
+              tiers: dict[str, TierRoute] | None = None,
+              state: MemoryState | None = None) -> FastAPI:
     """The router app over ``pool``; its health loop runs while the app is up.
-    ``tiers``: alias -> :class:`~llmserve.router.tiers.TierRoute`."""
+    ``tiers``: alias -> :class:`~llmserve.router.tiers.TierRoute`; ``state``: where
+    shared routing state lives (default :class:`MemoryState`: this process;
+    :class:`~llmserve.router.redis_state.RedisState` for several replicas)."""
+    state = state or MemoryState(pool)
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
-    proxy = Proxy(pool, client, block_size, max_retries, tiers)
+    proxy = Proxy(pool, client, block_size, max_retries, tiers, state)
     checker = HealthChecker(pool, client, interval_s=health_interval_s,
                             timeout_s=max(1.0, min(5.0, 2 * health_interval_s)),
-                            block_size=block_size)
+                            block_size=block_size, state=state)
+    state.on_new_worker = checker.check
 
     history = MetricsHistory(interval_s=max(1.0, health_interval_s))
 
@@ -284,6 +285,7 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await state.start()
         await checker.run_once()
         task = asyncio.create_task(checker.run())
         sampler = asyncio.create_task(run_async_sampler(history, snapshot))
@@ -292,6 +294,7 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
         finally:
             task.cancel()
             sampler.cancel()
+            await state.stop()
             await client.aclose()
 
     app = FastAPI(title="llmserve router", lifespan=lifespan)
@@ -328,9 +331,13 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
 
     @app.get("/health")
     async def health() -> Response:
-        if pool.eligible():
-            return Response(status_code=200)
-        return error(503, "no healthy worker is available")
+        """200 while some worker is eligible; ``status`` is ``degraded`` while the
+        shared state (Redis) is unreachable and this replica routes from its cache."""
+        if not pool.eligible():
+            return error(503, "no healthy worker is available")
+        shared = state.describe()
+        return JSONResponse({"status": shared["status"], "state": shared,
+                             "eligible_workers": len(pool.eligible())})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -356,18 +363,22 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
         if wid is not None and not isinstance(wid, str):
             return error(400, "id must be a string", "id")
         try:
-            w = pool.add(body["url"], wid)
+            w = await state.add_worker(body["url"], wid)
         except ValueError as e:
             return error(409 if "already" in str(e) else 400, str(e), "url")
+        except SharedStateUnavailable as e:
+            return error(503, str(e))
         await checker.check(w)
         return JSONResponse(w.describe(), status_code=201)
 
     @app.delete("/workers/{worker_id}")
     async def remove_worker(worker_id: str) -> Response:
         try:
-            w = pool.drain(worker_id)
+            w = await state.drain_worker(worker_id)
         except KeyError:
             return error(404, f"no worker with id {worker_id!r}", "id")
+        except SharedStateUnavailable as e:
+            return error(503, str(e))
         return JSONResponse({**w.describe(), "removed": worker_id not in pool.workers})
 
     return app

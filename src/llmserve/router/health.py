@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,8 +46,9 @@ def parse_load(text: str) -> WorkerLoad:
 class HealthChecker:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 2.0,
                  timeout_s: float = 2.0, unhealthy_threshold: int = 2,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, state=None) -> None:
         self.pool = pool
+        self.state = state  # a shared_state.MemoryState (or RedisState); None: none
         self.block_size = block_size
         self.client = client
         self.interval_s = interval_s
@@ -80,13 +82,15 @@ class HealthChecker:
                 pass
             await self._models(w)
             await self._digest(w)
-            return
-        n = self._fails.get(w.id, 0) + (0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold
-                                        else 1)
-        self._fails[w.id] = n
-        if n >= self.unhealthy_threshold and w.healthy:
-            logger.warning("worker %s (%s) is unhealthy", w.id, w.url)
-            w.healthy = False
+        else:
+            n = self._fails.get(w.id, 0) + (
+                0 if self._fails.get(w.id, 0) >= self.unhealthy_threshold else 1)
+            self._fails[w.id] = n
+            if n >= self.unhealthy_threshold and w.healthy:
+                logger.warning("worker %s (%s) is unhealthy", w.id, w.url)
+                w.healthy = False
+        if self.state is not None:
+            await self.state.health_result(w, ok)
 
     async def _models(self, w: Worker) -> None:
         """Refresh the worker's ``/v1/models`` cards (kept as they were on failure, so
@@ -106,7 +110,7 @@ class HealthChecker:
         policy = self.pool.policy
         if not getattr(policy, "wants_digest", False):
             return
-        asked_at = policy.clock()
+        asked_at, asked_at_wall = policy.clock(), time.time()
         params = {} if w.digest_version is None else {"if_version": w.digest_version}
         try:
             r = await self.client.get(w.url + "/kv_cache/digest", params=params,
@@ -121,8 +125,11 @@ class HealthChecker:
                 return
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return
-        policy.on_digest(w.id, [raw[i:i + 32] for i in range(0, len(raw), 32)], asked_at)
+        hashes = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        policy.on_digest(w.id, hashes, asked_at)
         w.digest_version = d["version"]
+        if self.state is not None:
+            await self.state.digest(w, hashes, d["version"], asked_at_wall)
 
     async def run_once(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))

@@ -17,6 +17,10 @@ llmserve_router:tier_requests_total         counter tiered requests by ``alias``
                                                     ``model`` of the tier that answered
 llmserve_router:tier_escalations_total      counter retries on a larger tier, by ``alias``,
                                                     ``from_model``, ``to_model``
+llmserve_router:redis_up                    gauge   1 while the shared state (``--redis-url``)
+                                                    answers, 0 while degraded (or no Redis)
+llmserve_router:redis_errors_total          counter failed Redis calls by ``op`` (route,
+                                                    sync, admin, health, digest)
 ========================================== ======= ==========================================
 """
 
@@ -59,6 +63,11 @@ class RouterMetrics:
         self.tier_escalations = Counter(PREFIX + "tier_escalations", "retries on a larger "
                                         "tier", ["alias", "from_model", "to_model"],
                                         registry=r)
+
+        self.redis_up = Gauge(PREFIX + "redis_up", "1 while the shared router state "
+                              "(Redis) answers", registry=r)
+        self.redis_errors = Counter(PREFIX + "redis_errors", "failed Redis calls", ["op"],
+                                    registry=r)
 
     def render(self, workers) -> tuple[bytes, str]:
         for w in workers:

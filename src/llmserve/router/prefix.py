@@ -30,3 +30,19 @@ def prompt_block_hashes(token_ids: list[int], block_size: int,
         raise ValueError(f"block_size must be positive, got {block_size}")
     return extend_block_hashes([], list(token_ids), block_size,
                                request_extra_keys(cache_salt, lora_int_id))
+
+
+def lora_name_extra_keys(token_ids: list[int], block_size: int, cache_salt: str | None,
+                         lora_name: str) -> list[bytes]:
+    """A LoRA request's worker-independent routing key: the chained hashes with the
+    adapter's *name* in the first block's extra keys. No engine holds these (an
+    engine salts with its own ``lora_int_id``, see :meth:`RouteRequest.hashes_for`);
+    they key ``prefix_hash`` and workers that publish no adapter id.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    extra = b"lora-name:" + lora_name.encode() + b"\0" + request_extra_keys(cache_salt)
+    return extend_block_hashes([], list(token_ids), block_size, extra)

@@ -77,11 +77,16 @@ class WorkerPool:
 
     def maybe_remove(self, w: Worker) -> None:
         if w.draining and w.in_flight == 0 and self.workers.get(w.id) is w:
-            del self.workers[w.id]
-            self.policy.on_remove(w.id)
-            self.metrics.forget(w.id)
-            for key in [k for k, v in self.sessions.items() if v == w.id]:
-                del self.sessions[key]
+            self.forget(w.id)
+
+    def forget(self, worker_id: str) -> None:
+        """Drop ``worker_id`` from the pool, the policy, the metrics and sessions."""
+        if self.workers.pop(worker_id, None) is None:
+            return
+        self.policy.on_remove(worker_id)
+        self.metrics.forget(worker_id)
+        for key in [k for k, v in self.sessions.items() if v == worker_id]:
+            del self.sessions[key]
 
     def eligible(self, exclude: set[str] = frozenset(),
                  model: str | None = None) -> list[Worker]:
@@ -110,8 +115,21 @@ class WorkerPool:
     def routed(self, request: RouteRequest, worker: Worker, session: str | None) -> None:
         """``worker`` accepted ``request``: update the policy and the session table."""
         self.policy.on_routed(request, worker)
+        self.remember_session(session, worker.id)
+
+    def remember_session(self, session: str | None, worker_id: str) -> None:
+        """``session`` sticks to ``worker_id`` (LRU bounded by ``max_sessions``)."""
         if session is not None:
-            self.sessions[session] = worker.id
+            self.sessions[session] = worker_id
             self.sessions.move_to_end(session)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """``model`` when some worker serves it as a LoRA adapter (a card with a
+        ``parent``), else None."""
+        for w in self.workers.values():
+            if any(m.get("id") == model and m.get("parent") is not None
+                   for m in w.models or ()):
+                return model
+        return None

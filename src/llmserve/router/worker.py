@@ -94,6 +94,14 @@ class Worker:
         return model is None or self.models is None or any(
             m.get("id") == model for m in self.models)
 
+    def lora_int_id(self, name: str | None) -> int | None:
+        """The ``lora_int_id`` this worker's card publishes for adapter ``name``."""
+        for m in self.models or ():
+            if m.get("id") == name and m.get("parent") is not None:
+                lid = m.get("lora_int_id")
+                return lid if isinstance(lid, int) and not isinstance(lid, bool) else None
+        return None
+
     def eligible(self) -> bool:
         """Can take a new request: healthy, not draining, breaker not open."""
         return self.healthy and not self.draining and self.breaker.allows()

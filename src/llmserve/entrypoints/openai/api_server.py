@@ -280,7 +280,7 @@ def build_app(engine_args: EngineArgs, served_model_names: Sequence[str],
                  for name in state.served_model_names]
         cards += [ModelCard(id=lora.lora_name, root=lora.lora_path,
                             parent=state.served_model_names[0],
-                            max_model_len=engine.max_model_len)
+                            max_model_len=engine.max_model_len, lora_int_id=lora.lora_int_id)
                   for lora in (state.lora_registry.list() if state.lora_registry else ())]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 

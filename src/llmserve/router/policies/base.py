@@ -22,11 +22,37 @@ from llmserve.router.worker import Worker
 @dataclass
 class RouteRequest:
     """What a policy sees of a request: ``block_hashes`` of the full prompt blocks
-    (empty when not tokenized), ``block_size`` tokens each, and ``num_tokens``."""
+    (empty when not tokenized), ``block_size`` tokens each, and ``num_tokens``.
+
+    A request to a LoRA adapter (``lora_name``) is hashed per worker, as that
+    worker's prefix cache salts it (its adapter's ``lora_int_id``, from its
+    ``/v1/models`` card): :meth:`hashes_for`. ``matched`` (leading blocks each
+    worker id is known to hold) and ``sequence`` (a shared round-robin counter) are
+    filled from shared state (Redis) before ``select``; None: the policy's own view.
+    """
 
     block_hashes: list[bytes] = field(default_factory=list)
     num_tokens: int = 0
     block_size: int = 16
+    token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    matched: dict[str, int] | None = None
+    sequence: int | None = None
+    _by_lora_id: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def hashes_for(self, worker: Worker) -> list[bytes]:
+        """The block hashes ``worker``'s prefix cache gives this prompt: with its
+        adapter id when the request names a LoRA adapter the worker publishes,
+        else ``block_hashes``."""
+        lora_id = worker.lora_int_id(self.lora_name) if self.lora_name else None
+        if lora_id is None:
+            return self.block_hashes
+        if lora_id not in self._by_lora_id:
+            from llmserve.router.prefix import prompt_block_hashes
+            self._by_lora_id[lora_id] = prompt_block_hashes(
+                self.token_ids, self.block_size, self.cache_salt, lora_id)
+        return self._by_lora_id[lora_id]
 
 
 @dataclass
@@ -45,6 +71,7 @@ class RoutingPolicy(abc.ABC):
 
     name: str = ""
     needs_tokens: bool = False  # True: the router tokenizes prompts for this policy
+    wants_sequence: bool = False  # True: shared state fills ``request.sequence``
 
     @abc.abstractmethod
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:

@@ -18,7 +18,9 @@ the engine's own hash) of every prompt routed there *since* that digest was aske
 for, which the router assumes cached until the next digest says (an LRU bounded by
 ``max_blocks_per_worker``). A worker that publishes no digest (not ours) is seen by
 what was routed to it only. Because hashes are chained, block i matching means the
-whole prefix up to i matches. Source: SGLang router ``cache_aware`` (approximate radix
+whole prefix up to i matches. With ``--redis-url`` this view is shared by the
+router replicas (:mod:`llmserve.router.redis_state`; ``request.matched``) and this
+object is the replica's cache of it. Source: SGLang router ``cache_aware`` (approximate radix
 tree per worker; ``balance_abs_threshold``, ``balance_rel_threshold``,
 ``cache_threshold``).
 """
@@ -101,8 +103,10 @@ class CacheAwarePolicy(RoutingPolicy):
         total = len(request.block_hashes)
         if total:
             best, best_n = None, 0
+            shared = request.matched or {}
             for w in sorted(workers, key=lambda w: (w.in_flight, w.id)):
-                n = self.matched_blocks(w.id, request.block_hashes)
+                n = shared[w.id] if w.id in shared else \
+                    self.matched_blocks(w.id, request.hashes_for(w))
                 if n > best_n:
                     best, best_n = w, n
             if best is not None and best_n / total >= self.cache_threshold:
@@ -112,7 +116,7 @@ class CacheAwarePolicy(RoutingPolicy):
     def on_routed(self, request: RouteRequest, worker: Worker) -> None:
         held = self._blocks.setdefault(worker.id, OrderedDict())
         now = self.clock()
-        for h in request.block_hashes:
+        for h in request.hashes_for(worker):
             held[h] = now
             held.move_to_end(h)
         while len(held) > self.max_blocks_per_worker:
