@@ -53,10 +53,12 @@ def register(subparsers) -> None:
     q.add_argument("--num-samples", type=int, default=16,
                    help="calibration windows (default 16)")
     q.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
-    q.add_argument("--output", required=True, help="output directory")
-    q.add_argument("--format", default=None, choices=["compressed-tensors", "gptq", "awq"],
+    q.add_argument("--output", required=True, help="output directory (gguf: a .gguf file)")
+    q.add_argument("--format", default=None,
+                   choices=["compressed-tensors", "gptq", "awq", "gguf"],
                    help="checkpoint format (default: gptq for rtn/gptq, awq for awq, "
-                        "compressed-tensors for smoothquant)")
+                        "compressed-tensors for smoothquant); gguf: a llama.cpp file "
+                        "(q4_0/q4_1/q8_0 by --bits/--sym; not for smoothquant)")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.set_defaults(func=_run_quantize)
 

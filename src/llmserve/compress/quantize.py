@@ -78,9 +78,36 @@ def quantize_checkpoint(model: str, opts: QuantizeOptions, output: str,
     """
     check_options(opts)
     fmt = fmt or DEFAULT_FORMAT[opts.method]
+    if fmt == "gguf":
+        return _quantize_to_gguf(model, opts, output, calib, num_samples, seq_len, progress)
     check_format(fmt, opts.method, opts.bits, opts.act_order)
     net, tokenizer, _ = load_float_model(model)
     ids = None if opts.method == "rtn" else calibration_ids(tokenizer, calib, num_samples,
                                                             seq_len)
     qm = quantize_model(net, opts, ids, progress=progress)
     return save_quantized(qm, output, fmt, tokenizer)
+
+
+def _quantize_to_gguf(model: str, opts: QuantizeOptions, output: str, calib: str | None,
+                      num_samples: int, seq_len: int, progress: bool) -> str:
+    """``--format gguf``: quantize, write a GPTQ checkpoint to a temporary directory, then
+    :func:`~llmserve.compress.gguf_export.export_gguf` it (8 bits -> q8_0, 4 bits -> q4_0
+    symmetric / q4_1, requantized in 32-weight blocks from the dequantized weights).
+
+    Raises:
+        ValueError: ``--method smoothquant`` (W8A8 has no GGUF form), ``output`` a directory.
+    """
+    import tempfile
+
+    from llmserve.compress.gguf_export import export_gguf
+
+    if opts.method == "smoothquant":
+        raise ValueError("--method smoothquant (W8A8: int8 activations) cannot be written as "
+                         "--format gguf (weight-only types); use --format compressed-tensors, "
+                         "or --method rtn|gptq|awq for GGUF")
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output!r} is a directory; --format gguf writes a file")
+    with tempfile.TemporaryDirectory(prefix="llmserve-quantize-") as tmp:
+        quantize_checkpoint(model, opts, tmp, fmt="gptq", calib=calib, num_samples=num_samples,
+                            seq_len=seq_len, progress=progress)
+        return export_gguf(tmp, output, "auto")

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "llmserve.entrypoints.bench_cmd", "llmserve.entrypoints.audit_cmd",
                      "llmserve.entrypoints.router_cmd", "llmserve.entrypoints.tune_cmd",
                      "llmserve.deploy.cli", "llmserve.registry.cli",
-                     "llmserve.entrypoints.batch.batch_cmd", "llmserve.compress.cli"):
+                     "llmserve.entrypoints.batch.batch_cmd", "llmserve.compress.cli",
+                     "llmserve.entrypoints.export_cmd"):
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
