@@ -172,3 +172,30 @@ def test_cuda_offload_and_split():
             for k in d_ref:
                 if k in d:
                     assert abs(d[k] - d_ref[k]) < 1e-2
+
+
+def test_planner_accounts_for_offload_and_split():
+    """``llmserve plan``: device weights + host weights = the model (staging counted on the
+    device), KV per token on the device scales with its layers, offload streams its bytes."""
+    from llmserve.planner.capacity import plan_capacity
+    from llmserve.planner.sources import resolve_model
+
+    m = resolve_model("smollm2-135m-instruct").model
+    kw = dict(gpu_memory="4GiB", weight_format="bf16", activation_reserve=0, max_model_len=2048)
+    whole = plan_capacity(m, **kw)
+    same = plan_capacity(m, num_device_layers=30, **kw)
+    assert (same.weight_bytes, same.kv_bytes_per_token, same.host_weight_bytes) == \
+        (whole.weight_bytes, whole.kv_bytes_per_token, 0)
+    split = plan_capacity(m, num_device_layers=15, **kw)
+    assert split.kv_bytes_per_token * 2 == whole.kv_bytes_per_token
+    assert split.weight_bytes + split.host_weight_bytes == whole.weight_bytes
+    assert split.num_blocks > whole.num_blocks and split.host_kv_bytes > 0
+    layer = split.weight_bytes // 15
+    off = plan_capacity(m, cpu_offload_gb=3.5 * layer / 1024**3, **kw)
+    assert off.offloaded_layers == 3 and off.offload_bytes_per_forward == 3 * layer
+    assert off.weight_bytes == whole.weight_bytes - layer  # 3 layers out, 2 staging slots in
+    assert off.host_weight_bytes == 3 * layer and off.host_kv_bytes == 0
+    with pytest.raises(ValueError, match="cpu_offload_gb"):
+        plan_capacity(m, cpu_offload_gb=100, **kw)
+    with pytest.raises(ValueError, match="tp = pp = 1"):
+        plan_capacity(m, num_device_layers=10, tp=3, **kw)
