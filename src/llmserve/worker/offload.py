@@ -163,6 +163,9 @@ class WeightOffloader:
         """Make layer ``i``'s weights resident in its slot (if offloaded) and prefetch the
         next offloaded layer's; call just before layer ``i`` runs, layers in order."""
         if i <= self._last:  # a new forward pass: nothing prefetched is trusted
+            if self.cuda:  # (an abandoned prefetch must land before its slot is reused)
+                for event in self._pending.values():
+                    torch.cuda.current_stream(self.device).wait_event(event)
             self._pending.clear()
         self._last = i
         entry = self.layers.get(i)
