@@ -257,6 +257,52 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Weights outside the compute device (``worker/offload.py``).
+
+    ``cpu_offload_gb``: GiB of decoder-layer weights kept in host memory (pinned on CUDA)
+    and streamed to the device just before each of their layers runs (vLLM's
+    ``--cpu-offload-gb``); whole layers, from the first, while they fit; 0 = off.
+    ``num_device_layers``: llama.cpp's ``--n-gpu-layers``: the first N decoder layers (and
+    their KV cache) on the device, the rest on the CPU; None = all on the device. With a
+    split, embeddings, final norm and LM head stay on the CPU (llama.cpp keeps the input
+    layer on the CPU and puts the output layer on the GPU only when every layer is).
+
+    Raises:
+        ValueError: a negative or non-numeric size, a negative layer count;
+            :meth:`check_model`: more layers than the model has.
+    """
+
+    cpu_offload_gb: float = 0.0
+    num_device_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0 \
+                or gb == float("inf"):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")
+        n = self.num_device_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"num_device_layers (--n-gpu-layers) must be an integer >= 0 "
+                             f"(or unset: all layers), got {n!r}")
+
+    @property
+    def cpu_offload_bytes(self) -> int:
+        return int(self.cpu_offload_gb * 1024**3)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_offload_gb > 0 or self.num_device_layers is not None
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raises ValueError when ``num_device_layers`` exceeds the model's layers."""
+        n, total = self.num_device_layers, model.num_hidden_layers
+        if n is not None and n > total:
+            raise ValueError(f"num_device_layers (--n-gpu-layers) is {n} but the model has "
+                             f"{total} decoder layers (0..{total} allowed)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved (``dtype`` is never ``auto`` here)."""
 
@@ -275,6 +321,7 @@ class EngineConfig:
     speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
     lora_config: LoRAConfig | None = None  # multi-LoRA (--enable-lora), None = off
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    offload_config: OffloadConfig = field(default_factory=OffloadConfig)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -284,6 +331,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.parallel_config.check_model(self.model_config)
+        self.offload_config.check_model(self.model_config)
+        if self.offload_config.enabled and (self.parallel_config.world_size > 1
+                                            or self.lora_config is not None):
+            raise ValueError("cpu_offload_gb / num_device_layers do not support "
+                             "tensor_parallel_size > 1 or LoRA adapters yet")
+        if self.offload_config.num_device_layers is not None and (
+                self.speculative_config is not None or self.cache_config.kv_store is not None
+                or self.cache_config.kv_eviction_policy in ("h2o", "snapkv")):
+            raise ValueError("num_device_layers (--n-gpu-layers) does not support speculative "
+                             "decoding, the shared KV store or attention-scored KV eviction "
+                             "(h2o, snapkv) yet")
         if self.parallel_config.world_size > 1 and (
                 self.speculative_config is not None or self.cache_config.kv_store is not None):
             raise ValueError("tensor_parallel_size > 1 does not support speculative decoding "

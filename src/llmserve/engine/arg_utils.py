@@ -13,6 +13,7 @@ from llmserve.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    OffloadConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -140,6 +141,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8_e4m3 (fp8)
+    cpu_offload_gb: float = 0.0  # GiB of layer weights in host memory (worker/offload.py)
+    num_device_layers: int | None = None  # llama.cpp's --n-gpu-layers; None = all
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -216,6 +219,15 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in memory (default: --max-loras)")
+        g.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                       help="GiB of decoder-layer weights kept in host memory (pinned) and "
+                            "streamed to the device just before each layer runs (vLLM's "
+                            "option; whole layers, from the first)")
+        g.add_argument("--num-device-layers", "--n-gpu-layers", dest="num_device_layers",
+                       type=int, default=None, metavar="N",
+                       help="llama.cpp's --n-gpu-layers: the first N decoder layers and their "
+                            "KV cache on the device, the rest (and embeddings, LM head) on "
+                            "the CPU (default: all on the device)")
         p = parser.add_argument_group("parallelism")
         p.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="split every layer over this many processes (torch.distributed, "
@@ -296,6 +308,8 @@ class EngineArgs:
             extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
             lora_config=self._lora_config(),
+            offload_config=OffloadConfig(cpu_offload_gb=self.cpu_offload_gb,
+                                         num_device_layers=self.num_device_layers),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,

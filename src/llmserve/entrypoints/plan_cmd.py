@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                         help="per-sequence KV budget of --kv-eviction-policy: caps each "
                              "sequence's blocks (a sliding window on every layer caps them too)")
+    parser.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                        help="GiB of decoder-layer weights kept in host memory and streamed "
+                             "to the device per layer (as the engine's flag; tp = pp = 1)")
+    parser.add_argument("--num-device-layers", "--n-gpu-layers", dest="num_device_layers",
+                        type=int, default=None, metavar="N",
+                        help="the first N decoder layers (and their KV) on the device, the "
+                             "rest in host memory (as the engine's flag; tp = pp = 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -105,7 +112,12 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         max_model_len=args.max_model_len, concurrency=args.concurrency,
         file_weight_bytes=resolved.file_weight_bytes if use_file else None,
         kv_budget_tokens=args.kv_budget_tokens)
-    if args.tp is None and args.pp is None:
+    offload = getattr(args, "cpu_offload_gb", 0.0) or \
+        getattr(args, "num_device_layers", None) is not None
+    if offload:
+        common.update(cpu_offload_gb=args.cpu_offload_gb,
+                      num_device_layers=args.num_device_layers)
+    if args.tp is None and args.pp is None and not offload:
         plan = smallest_parallelism(m, gpus_per_node=args.gpus_per_node, num_gpus=args.gpus,
                                     **common)
     else:

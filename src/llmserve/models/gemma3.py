@@ -70,6 +70,8 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embedding, interleaved local/global layers, final norm."""
 
+    layer_hooks: Any = None  # worker/layer_split.py LayerHooks (weight offload only)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
@@ -95,7 +97,10 @@ class Gemma3Model(nn.Module):
         rope_global = self.rotary_emb.get_cos_sin(positions)  # [T, 1, rotary_dim / 2] each
         rope_local = (rope_global if self.rotary_emb_local is None
                       else self.rotary_emb_local.get_cos_sin(positions))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        hooks = self.layer_hooks
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if hooks is not None:  # offloaded weights (no layer split for Gemma 3 yet)
+                hooks.before_decode_layer(i)
             cos, sin = rope_local if layer.is_sliding else rope_global
             hidden_states = layer.forward(hidden_states, cos, sin, kv_cache, attn_metadata)
         return self.norm.forward(hidden_states)

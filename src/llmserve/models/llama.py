@@ -145,6 +145,9 @@ class LlamaModel(nn.Module):
     """Embedding, ``num_hidden_layers`` x ``layer_cls``, final norm; one RoPE table."""
 
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    # worker/layer_split.py LayerHooks (weight offload, layer split); None = off
+    layer_hooks: Any = None
+    supports_layer_split = True
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  backend_cls: type[AttentionBackend]) -> None:
@@ -165,6 +168,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
+        if self.layer_hooks is not None:  # layer split: inputs on the embedding's device
+            input_ids, positions = self.layer_hooks.inputs(input_ids, positions)
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         nd = getattr(attn_metadata, "num_decodes", 0)
@@ -196,14 +201,21 @@ class LlamaModel(nn.Module):
     def _decode_layers(self, step: CpuDecodeStep, hidden_states: torch.Tensor,
                        kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        hooks = self.layer_hooks
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if hooks is not None:
+                hooks.before_decode_layer(i)
             hidden_states, residual = decode_layer(layer, step, hidden_states, residual, kv_cache)
         return hidden_states, residual
 
     def _layers(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        hooks = self.layer_hooks
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if hooks is not None:  # offloaded weights in, hidden state to this layer's device
+                hidden_states, residual, cos, sin, attn_metadata = hooks.before_layer(
+                    i, hidden_states, residual, cos, sin, attn_metadata)
             hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, kv_cache,
                                                     attn_metadata)
         return hidden_states, residual

@@ -97,6 +97,13 @@ class CapacityPlan:
     # blocks one sequence holds at most whatever its length (llmserve's cap: a sliding
     # window on every layer, or --kv-budget-tokens; scheduler/kv_limits.py), or None
     max_blocks_per_sequence: int | None = None
+    # CPU offload / layer split (llmserve --cpu-offload-gb, --num-device-layers); host
+    # memory holds host_weight_bytes of weights and host_kv_bytes of KV (the CPU layers')
+    num_device_layers: int | None = None
+    offloaded_layers: int = 0
+    host_weight_bytes: int = 0
+    host_kv_bytes: int = 0
+    offload_bytes_per_forward: int = 0
 
     @property
     def usable_blocks(self) -> int:
@@ -186,7 +193,8 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
                   block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None,
                   concurrency: int = 1, file_weight_bytes: int | None = None,
                   kv_budget_tokens: int | None = None,
-                  max_num_batched_tokens: int = 2048) -> CapacityPlan:
+                  max_num_batched_tokens: int = 2048, cpu_offload_gb: float = 0.0,
+                  num_device_layers: int | None = None) -> CapacityPlan:
     """Size the KV cache of one tp x pp group of devices with ``gpu_memory`` bytes each.
 
     ``gpu_memory``: bytes or a size string (``"80GiB"``). ``num_gpus``: devices
@@ -201,11 +209,16 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     ``budget // block_size + ceil(chunk / block_size) + 1`` or
     ``ceil((window + chunk) / block_size) + 1`` with ``chunk = max_num_batched_tokens``
     (a prefill chunk's blocks come before the old ones are freed).
+    ``cpu_offload_gb`` / ``num_device_layers``: llmserve's weight offload and layer split
+    (:func:`llmserve.planner.offload.split_weights`): device weights are the device layers'
+    less the offloaded ones plus their staging slots, the KV per token on the device is
+    the device layers' share, and the rest is host memory (``host_*`` fields).
     Never raises for a model that does not fit: see :attr:`CapacityPlan.fits`.
 
     Raises:
         ValueError: for non-positive sizes or counts, a utilization outside
-            (0, 1], ``num_gpus < tp x pp``, an invalid tp/pp, unknown formats.
+            (0, 1], ``num_gpus < tp x pp``, an invalid tp/pp, unknown formats, offload
+            options with tp or pp > 1 or out of range.
     """
     m = as_planner_model(model)
     memory = parse_memory(gpu_memory, "gpu_memory")
@@ -233,8 +246,17 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     else:
         activations = parse_memory(activation_reserve, "activation_reserve")
     usable = int(memory * gpu_memory_utilization)
-    budget = usable - weights - activations
     per_token = kv_cache_bytes_per_token(m, kv_cache_dtype, tp, pp)
+    split = None
+    if cpu_offload_gb or num_device_layers is not None:
+        from llmserve.planner.offload import split_weights
+
+        if tp * pp > 1:
+            raise ValueError("cpu_offload_gb / num_device_layers are planned for tp = pp = 1")
+        split = split_weights(m, weights, fmt, cpu_offload_gb, num_device_layers)
+        weights = split.device_weight_bytes
+        per_token = per_token * split.num_device_layers // m.num_hidden_layers
+    budget = usable - weights - activations
     blocks = num_kv_cache_blocks(budget, block_size, per_token) \
         if budget >= block_size * per_token else 0
     chunk = _cdiv(_positive_int("max_num_batched_tokens", max_num_batched_tokens), block_size)
@@ -244,8 +266,14 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     elif m.sliding_window is not None and all(m.layer_window(i) is not None
                                               for i in range(m.num_hidden_layers)):
         cap = _cdiv(m.sliding_window + max_num_batched_tokens, block_size) + 1
+    offload = {} if split is None else dict(
+        num_device_layers=split.num_device_layers, offloaded_layers=split.offloaded_layers,
+        host_weight_bytes=split.host_weight_bytes,
+        offload_bytes_per_forward=split.bytes_per_forward,
+        host_kv_bytes=blocks * block_size * split.host_kv_bytes_per_token(
+            kv_cache_bytes_per_token(m, kv_cache_dtype)))
     return CapacityPlan(
-        max_blocks_per_sequence=cap, model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
+        **offload, max_blocks_per_sequence=cap, model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
         block_size=block_size, max_model_len=context, concurrency=concurrency,
         gpu_memory=memory, gpu_memory_utilization=gpu_memory_utilization, usable_bytes=usable,
         weight_bytes=weights, activation_bytes=activations, kv_budget_bytes=budget,

@@ -146,7 +146,8 @@ def _capacity_rows(m: PlannerModel, plan: CapacityPlan, reserve_given: bool) -> 
     rows = [
         (sec, "usable", f"{format_size(plan.gpu_memory)} x {plan.gpu_memory_utilization:g} "
          f"gpu_memory_utilization", _b(plan.usable_bytes)),
-        (sec, "weights", f"{plan.weight_format}, tp {plan.tp} x pp {plan.pp}",
+        (sec, "weights", f"{plan.weight_format}, tp {plan.tp} x pp {plan.pp}"
+         + (" (device part, below)" if plan.num_device_layers is not None else ""),
          _b(plan.weight_bytes)),
         (sec, "activations", act, _b(plan.activation_bytes)),
         (sec, "KV budget", f"{format_size(plan.usable_bytes)} - {format_size(plan.weight_bytes)}"
@@ -163,6 +164,17 @@ def _capacity_rows(m: PlannerModel, plan: CapacityPlan, reserve_given: bool) -> 
         (sec, "longest context", f"all {_n(plan.usable_blocks)} blocks to one sequence (model "
          f"max {_n(m.max_position_embeddings)})", _n(plan.max_single_context)),
     ]
+    if plan.num_device_layers is not None:  # --cpu-offload-gb / --num-device-layers
+        rows += [
+            (sec, "device layers", f"{plan.num_device_layers} of {m.num_hidden_layers} "
+             f"decoder layers (their KV) on the device, {plan.offloaded_layers} of them "
+             f"offloaded", _n(plan.num_device_layers)),
+            (sec, "host weights", "CPU layers, offloaded layers (and embeddings / LM head "
+             "under a split)", _b(plan.host_weight_bytes)),
+            (sec, "host KV", "the CPU layers' KV for the same blocks", _b(plan.host_kv_bytes)),
+            (sec, "streamed", "host -> device weight bytes per forward pass",
+             _b(plan.offload_bytes_per_forward)),
+        ]
     sec = "Deployment"
     group = plan.tp * plan.pp
     rows += [

@@ -34,7 +34,10 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
         torch.manual_seed(config.seed)
     model_cls = get_model_class(mc.architecture)
     dtype = TORCH_DTYPES[config.dtype]
-    with torch.device(config.device):
+    oc = getattr(config, "offload_config", None)
+    offload = oc is not None and oc.enabled
+    # offload / layer split: build and load in host memory, then place (layer_split.py)
+    with torch.device("cpu" if offload else config.device):
         if tp is None or tp.world_size == 1:
             model = model_cls(mc, dtype, config.attention_backend)
         else:
@@ -46,6 +49,10 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
     if config.deterministic:  # dense layers: fixed-shape row chunks (batch_invariant.py)
         make_batch_invariant(model)
     model.eval()
+    if offload:
+        from llmserve.worker.layer_split import install_offload
+
+        install_offload(model, config)
     return model, quant
 
 

@@ -95,10 +95,13 @@ class ModelRunner:
                                                       mc.num_key_value_heads),
                  mc.head_dim + row_extra)
         # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
+        # on that layer's device (a layer split keeps the CPU layers' KV in host memory)
+        layer_devices = getattr(model, "layer_devices", None) or \
+            [self.device] * mc.num_hidden_layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(mc.num_hidden_layers)
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev))
+            for dev in layer_devices
         ]
         # the host pool for swap preemption, same layout; block 0 unused
         pin = self.device.type == "cuda"
@@ -148,9 +151,10 @@ class ModelRunner:
                 src_pair, dst_pair = self.host_kv_caches[layer], (kc, vc)
             else:
                 raise ValueError(f"unknown KV cache op {kind!r}")
-            for src_t, dst_t in zip(src_pair, dst_pair):
-                blocks = src_t.index_select(0, src_idx).to(dst_t.device, non_blocking=True)
-                dst_t.index_copy_(0, dst_idx, blocks)
+            for src_t, dst_t in zip(src_pair, dst_pair):  # (a layer split: per-layer device)
+                blocks = src_t.index_select(0, src_idx.to(src_t.device)).to(dst_t.device,
+                                                                            non_blocking=True)
+                dst_t.index_copy_(0, dst_idx.to(dst_t.device), blocks)
 
     # ---------------------------------------------------------------- state
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -296,7 +300,8 @@ class ModelRunner:
             collect_prompt_logprobs(self.model, hidden, self._layout)
         if not sample_states:
             return out
-        logits = self.model.compute_logits(hidden[logits_idx])  # [num_reqs_sampled, vocab]
+        # [num_reqs_sampled, vocab] (a layer split ends on the CPU: back to the device)
+        logits = self.model.compute_logits(hidden[logits_idx.to(hidden.device)]).to(self.device)
         if not self.is_driver:
             return out
         metadata = build_sampling_metadata(
