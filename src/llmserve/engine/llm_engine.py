@@ -58,6 +58,10 @@ class LLMEngine:
         # byte per element + a fp16 scale per token and KV head
         tp = config.parallel_config.tensor_parallel_size
         self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.kv_cache_dtype, tp)
+        if config.parallel_config.pipeline_parallel_size > 1:  # stage 0's layers only
+            from llmserve.models.pipeline_parallel import stage_kv_bytes_per_token
+
+            self.kv_bytes_per_token = stage_kv_bytes_per_token(self.kv_bytes_per_token, mc, model)
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         if cc.num_gpu_blocks_override is not None:
@@ -86,10 +90,11 @@ class LLMEngine:
                         format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
         self.num_host_blocks = num_host_blocks
         if executor is not None:  # every rank allocates the smallest count of all ranks
-            from llmserve.worker.tp_worker import DriverRunner, log_rank_memory
+            from llmserve.worker.pp_worker import make_driver_runner
+            from llmserve.worker.tp_worker import log_rank_memory
 
             self.num_blocks = num_blocks = executor.agree_kv_blocks(num_blocks, num_host_blocks)
-            self.runner = DriverRunner(config, model, num_blocks, num_host_blocks, executor)
+            self.runner = make_driver_runner(config, model, num_blocks, num_host_blocks, executor)
             self.rank_memory = log_rank_memory(0, self.runner)  # bytes this rank allocated
         else:
             self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
@@ -169,8 +174,10 @@ class LLMEngine:
         model_config = config.model_config  # with the served max_model_len
         executor = None
         if config.parallel_config.world_size > 1:  # spawn the other ranks; they load too
+            from llmserve.worker.pp_worker import check_pipeline_config
             from llmserve.worker.tp_worker import TPExecutor
 
+            check_pipeline_config(config)
             executor = TPExecutor.start(config, source, args.quantization)
         try:
             tokenizer = load_tokenizer(source)
@@ -275,6 +282,10 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs are not supported with speculative "
                                  "decoding yet; serve without --speculative-config")
+        if params.structured_outputs is not None and \
+                self.config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("structured outputs (response_format / guided_*) are not "
+                             "supported with pipeline parallelism yet")
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)  # cached; ValueError
         bad = [t for t in params.stop_token_ids if t >= vocab]
