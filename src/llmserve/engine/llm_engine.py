@@ -133,6 +133,12 @@ class LLMEngine:
                                                       list(self.eos_token_ids))
         self._counter = itertools.count()
         self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
+        # pipeline parallelism: micro-batches in flight (engine/batch_queue.py)
+        self.batch_queue = None
+        if config.parallel_config.pipeline_parallel_size > 1:
+            from llmserve.engine.batch_queue import BatchQueue
+
+            self.batch_queue = BatchQueue(config.parallel_config.pipeline_parallel_size)
         self._stalled_steps = 0
 
     def _kv_limits(self, kv_manager: KVCacheManager) -> KVLimiter | None:
@@ -377,7 +383,8 @@ class LLMEngine:
             self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(
+            self.batch_queue is not None and self.batch_queue.queue)
 
     def prefix_cache_digest(self) -> tuple[int, int, list[bytes]]:
         """``(block_size, version, block hashes)`` of every block in the prefix cache
@@ -391,6 +398,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update, detokenize."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         sched_out = self.scheduler.schedule()
         ended = self._drain_finished_without_output()
         if sched_out.total_num_scheduled_tokens == 0:
@@ -409,6 +418,12 @@ class LLMEngine:
         self._stalled_steps = 0
         return ended + self._run_step(sched_out)
 
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """vLLM's ``step_with_batch_queue``: see :mod:`llmserve.engine.batch_queue`."""
+        from llmserve.engine.batch_queue import step_with_batch_queue
+
+        return step_with_batch_queue(self)
+
     def _drain_finished_without_output(self) -> list[RequestOutput]:
         """Final outputs of requests the scheduler ended on its own (e.g. one that
         outgrew the whole KV cache: finish_reason ``length`` with what it has)."""
@@ -424,8 +439,7 @@ class LLMEngine:
         return outs
 
     def _run_step(self, sched_out) -> list[RequestOutput]:
-        first_sched = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
-                       for r in sched_out.scheduled_new_reqs}
+        first_sched = self._first_scheduled(sched_out)
         try:
             runner_out = self.runner.execute_model(sched_out)
         except RankFailedError:  # a tensor-parallel rank is gone: the engine cannot go on
@@ -434,6 +448,14 @@ class LLMEngine:
             logger.exception("model step failed; aborting the %d requests in it",
                              len(sched_out.num_scheduled_tokens))
             return self.abort_request(list(sched_out.num_scheduled_tokens))
+        return self._process_step(sched_out, runner_out, first_sched)
+
+    def _first_scheduled(self, sched_out) -> dict[str, float | None]:
+        return {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
+                for r in sched_out.scheduled_new_reqs}
+
+    def _process_step(self, sched_out, runner_out, first_sched) -> list[RequestOutput]:
+        """The scheduler's and the output processor's half of a step."""
         if self.spec_decoding_stats is not None:
             for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
                 emitted = runner_out.spec_output_token_ids.get(req_id)

@@ -109,7 +109,11 @@ class TPExecutor:
         self._closed = True
         if self.workers.failure() is None:
             with contextlib.suppress(Exception):  # a follower is gone: terminated below
-                self.groups.world.broadcast_object(None)
+                self.groups.tp.broadcast_object(None)  # stage 0 (pp: on down the pipe)
+                if self.groups.pp.world_size > 1:
+                    from llmserve.worker.pp_worker import TAG_STEP
+
+                    self.groups.pp.send_object(None, 1, TAG_STEP)
         self.workers.shutdown()
         torch.set_num_threads(self._threads_before)
 
@@ -138,7 +142,7 @@ class DriverRunner(ModelRunner):
             self.broadcast_s += time.perf_counter() - t0
             self.num_broadcasts += 1
             self._sampled, self._dropped = {}, []
-            out = self._collect_output(sched, super().execute_model(sched))
+            out = super().execute_model(sched)
         except RankFailedError:
             self.executor.workers.shutdown()
             raise
@@ -149,11 +153,6 @@ class DriverRunner(ModelRunner):
                 raise failure from e
             raise RankFailedError(0, f"failed a step: {type(e).__name__}: {e}") from e
         self._sampled = dict(out.sampled_token_ids)
-        return out
-
-    def _collect_output(self, sched: SchedulerOutput, out: ModelRunnerOutput
-                        ) -> ModelRunnerOutput:
-        """The step's output (pipeline parallelism: received from the last stage)."""
         return out
 
 
@@ -229,10 +228,13 @@ def run_worker(rank: int, store: dist.Store, payload: tuple) -> None:
     else:
         runner = FollowerRunner(config, model, num_blocks, num_host_blocks)
     log_rank_memory(rank, runner)
+    pipeline = groups.pp.world_size > 1
     while True:
         try:
-            msg = groups.world.broadcast_object(None)
+            msg = runner.next_step() if pipeline else groups.world.broadcast_object(None)
             if msg is None:
+                if pipeline:
+                    runner.finish()
                 break
             sched, sampled, dropped = msg
             runner.follow(sampled, dropped)
