@@ -39,6 +39,7 @@ class BatchQueue:
         self.max_in_flight = max_in_flight
         self.queue: deque = deque()
         self.in_flight: set[str] = set()
+        self.max_depth = 0  # the most micro-batches that were in flight at once
 
 
 def step_with_batch_queue(engine) -> list:
@@ -60,6 +61,7 @@ def step_with_batch_queue(engine) -> list:
             runner.submit(sched_out)
             bq.queue.append((sched_out, first))
             bq.in_flight.update(sched_out.num_scheduled_tokens)
+            bq.max_depth = max(bq.max_depth, len(bq.queue))
             submitted = True
             engine._stalled_steps = 0
         elif sched_out.kv_cache_ops or sched_out.finished_req_ids:
