@@ -156,7 +156,7 @@ class ParallelConfig:
     splitting each expert. ``distributed_executor_backend``: ``"mp"`` (worker
     processes on this machine). ``startup_timeout_s``: seconds every rank has to join
     and load its shard before the engine gives up (naming the missing ranks).
-    Validation against a model: :meth:`check_model`. Only tp > 1 runs today.
+    Validation against a model: :meth:`check_model`. dp > 1 does not run yet.
 
     Raises:
         ValueError: a size that is not a positive integer, an unknown backend.
@@ -168,6 +168,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     startup_timeout_s: float = 300.0
+    # layers per pipeline stage, "16,14" (vLLM's VLLM_PP_LAYER_PARTITION); None: the
+    # LLMSERVE_PP_LAYER_PARTITION environment variable, else vLLM's even split
+    pp_layer_partition: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -180,9 +183,9 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s!r}")
-        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size and data_parallel_size > 1 are not "
-                             "supported yet (tensor_parallel_size is)")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet "
+                             "(tensor_parallel_size and pipeline_parallel_size are)")
 
     @property
     def world_size(self) -> int:
@@ -199,6 +202,11 @@ class ParallelConfig:
         Raises:
             ValueError: naming the sizes that work for this model.
         """
+        pp = self.pipeline_parallel_size
+        if pp > model.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the {model.num_hidden_layers} "
+                             f"layers of {model.architecture} (each stage needs a layer); "
+                             f"sizes that work: 1 to {model.num_hidden_layers}")
         tp = self.tensor_parallel_size
         if tp == 1:
             return
@@ -335,7 +343,7 @@ class EngineConfig:
         if self.offload_config.enabled and (self.parallel_config.world_size > 1
                                             or self.lora_config is not None):
             raise ValueError("cpu_offload_gb / num_device_layers do not support "
-                             "tensor_parallel_size > 1 or LoRA adapters yet")
+                             "tensor or pipeline parallelism (world size > 1) or LoRA adapters yet")
         if self.offload_config.num_device_layers is not None and (
                 self.speculative_config is not None or self.cache_config.kv_store is not None
                 or self.cache_config.kv_eviction_policy in ("h2o", "snapkv")):

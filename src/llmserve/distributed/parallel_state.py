@@ -4,6 +4,10 @@ Rank layout (vLLM's ``parallel_state``: tp is the fastest-varying index)::
 
     world rank = pp_rank * tp_size + tp_rank        tp=2, pp=1:  ranks 0 1 = one tp group
 
+    tp=2, pp=2:            tp group      pp group
+        stage 0: ranks 0 1   {0,1}        {0,2} {1,3}
+        stage 1: ranks 2 3   {2,3}
+
 Collectives run over ``torch.distributed`` (gloo on CPU, NCCL on CUDA) on the group a
 :class:`GroupCoordinator` wraps. Rank 0 is the *driver*: it runs the scheduler and
 the sampler; the other ranks follow the steps it broadcasts.
@@ -90,15 +94,54 @@ class GroupCoordinator:
         self.group.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Point-to-point send of ``x`` to group rank ``dst`` (blocks until sent)."""
+        self.group.send([x.contiguous()], dst, tag).wait()
+
+    def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive into ``x`` (its shape and dtype must match the sender's) from group
+        rank ``src``; returns ``x``."""
+        self.group.recv([x], src, tag).wait()
+        return x
+
+    def send_object(self, obj: object, dst: int, tag: int = 0) -> None:
+        """Pickle ``obj`` and send it to group rank ``dst`` (a length, then the bytes)."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send(torch.tensor([len(payload)], dtype=torch.int64), dst, tag)
+        self.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, tag)
+
+    def recv_object(self, src: int, tag: int = 0) -> object:
+        """The object :meth:`send_object` sent from group rank ``src``."""
+        size = self.recv(torch.empty(1, dtype=torch.int64), src, tag)
+        data = self.recv(torch.empty(int(size.item()), dtype=torch.uint8), src, tag)
+        return pickle.loads(data.numpy().tobytes())
+
 
 @dataclass
 class ParallelGroups:
-    """This process's groups: ``tp`` splits layers, ``pp`` chains stages (size 1 today)."""
+    """This process's groups: ``tp`` splits layers, ``pp`` chains stages (this rank and
+    its peers of the same tp rank in the other stages), ``world`` every rank of the
+    engine (the driver broadcasts each step on it; the tp group itself when pp = 1)."""
 
     rank: int
     world_size: int
     tp: GroupCoordinator
     pp: GroupCoordinator
+    world: GroupCoordinator | None = None
+
+    def __post_init__(self) -> None:
+        if self.world is None:
+            self.world = self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 = owns the embedding)."""
+        return self.pp.rank_in_group
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The stage that owns the final norm, the LM head and (tp rank 0) the sampler."""
+        return self.pp.rank_in_group == self.pp.world_size - 1
 
     @property
     def is_driver(self) -> bool:
@@ -135,8 +178,13 @@ def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
                         tp_ranks.index(rank), len(tp_ranks), timeout)
     pp_group = _backend(backend, dist.PrefixStore(f"pp{pp_index}/", store),
                         pp_ranks.index(rank), len(pp_ranks), timeout)
-    return ParallelGroups(rank, world, GroupCoordinator(tp_group, tp_ranks, rank),
-                          GroupCoordinator(pp_group, pp_ranks, rank))
+    tp_coord = GroupCoordinator(tp_group, tp_ranks, rank)
+    world_coord = tp_coord
+    if world > tp_size:  # pipeline stages: one more group over every rank, for the steps
+        world_coord = GroupCoordinator(_backend(backend, dist.PrefixStore("world/", store),
+                                                rank, world, timeout), list(range(world)), rank)
+    return ParallelGroups(rank, world, tp_coord, GroupCoordinator(pp_group, pp_ranks, rank),
+                          world_coord)
 
 
 def _backend(backend: str, store: dist.Store, rank: int, size: int,

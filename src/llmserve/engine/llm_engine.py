@@ -58,6 +58,10 @@ class LLMEngine:
         # byte per element + a fp16 scale per token and KV head
         tp = config.parallel_config.tensor_parallel_size
         self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.kv_cache_dtype, tp)
+        if config.parallel_config.pipeline_parallel_size > 1:  # stage 0's layers only
+            from llmserve.models.pipeline_parallel import stage_kv_bytes_per_token
+
+            self.kv_bytes_per_token = stage_kv_bytes_per_token(self.kv_bytes_per_token, mc, model)
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         if cc.num_gpu_blocks_override is not None:
@@ -86,10 +90,11 @@ class LLMEngine:
                         format_size(num_host_blocks * cc.block_size * self.kv_bytes_per_token))
         self.num_host_blocks = num_host_blocks
         if executor is not None:  # every rank allocates the smallest count of all ranks
-            from llmserve.worker.tp_worker import DriverRunner, log_rank_memory
+            from llmserve.worker.pp_worker import make_driver_runner
+            from llmserve.worker.tp_worker import log_rank_memory
 
             self.num_blocks = num_blocks = executor.agree_kv_blocks(num_blocks, num_host_blocks)
-            self.runner = DriverRunner(config, model, num_blocks, num_host_blocks, executor)
+            self.runner = make_driver_runner(config, model, num_blocks, num_host_blocks, executor)
             self.rank_memory = log_rank_memory(0, self.runner)  # bytes this rank allocated
         else:
             self.runner = ModelRunner(config, model, num_blocks, num_host_blocks)
@@ -128,6 +133,12 @@ class LLMEngine:
                                                       list(self.eos_token_ids))
         self._counter = itertools.count()
         self._parents: dict[str, list[str]] = {}  # n > 1: parent id -> child ids
+        # pipeline parallelism: micro-batches in flight (engine/batch_queue.py)
+        self.batch_queue = None
+        if config.parallel_config.pipeline_parallel_size > 1:
+            from llmserve.engine.batch_queue import BatchQueue
+
+            self.batch_queue = BatchQueue(config.parallel_config.pipeline_parallel_size)
         self._stalled_steps = 0
 
     def _kv_limits(self, kv_manager: KVCacheManager) -> KVLimiter | None:
@@ -169,8 +180,10 @@ class LLMEngine:
         model_config = config.model_config  # with the served max_model_len
         executor = None
         if config.parallel_config.world_size > 1:  # spawn the other ranks; they load too
+            from llmserve.worker.pp_worker import check_pipeline_config
             from llmserve.worker.tp_worker import TPExecutor
 
+            check_pipeline_config(config)
             executor = TPExecutor.start(config, source, args.quantization)
         try:
             tokenizer = load_tokenizer(source)
@@ -275,6 +288,10 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs are not supported with speculative "
                                  "decoding yet; serve without --speculative-config")
+        if params.structured_outputs is not None and \
+                self.config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("structured outputs (response_format / guided_*) are not "
+                             "supported with pipeline parallelism yet")
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)  # cached; ValueError
         bad = [t for t in params.stop_token_ids if t >= vocab]
@@ -366,7 +383,8 @@ class LLMEngine:
             self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(
+            self.batch_queue is not None and self.batch_queue.queue)
 
     def prefix_cache_digest(self) -> tuple[int, int, list[bytes]]:
         """``(block_size, version, block hashes)`` of every block in the prefix cache
@@ -380,6 +398,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update, detokenize."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         sched_out = self.scheduler.schedule()
         ended = self._drain_finished_without_output()
         if sched_out.total_num_scheduled_tokens == 0:
@@ -398,6 +418,12 @@ class LLMEngine:
         self._stalled_steps = 0
         return ended + self._run_step(sched_out)
 
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """vLLM's ``step_with_batch_queue``: see :mod:`llmserve.engine.batch_queue`."""
+        from llmserve.engine.batch_queue import step_with_batch_queue
+
+        return step_with_batch_queue(self)
+
     def _drain_finished_without_output(self) -> list[RequestOutput]:
         """Final outputs of requests the scheduler ended on its own (e.g. one that
         outgrew the whole KV cache: finish_reason ``length`` with what it has)."""
@@ -413,8 +439,7 @@ class LLMEngine:
         return outs
 
     def _run_step(self, sched_out) -> list[RequestOutput]:
-        first_sched = {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
-                       for r in sched_out.scheduled_new_reqs}
+        first_sched = self._first_scheduled(sched_out)
         try:
             runner_out = self.runner.execute_model(sched_out)
         except RankFailedError:  # a tensor-parallel rank is gone: the engine cannot go on
@@ -423,6 +448,14 @@ class LLMEngine:
             logger.exception("model step failed; aborting the %d requests in it",
                              len(sched_out.num_scheduled_tokens))
             return self.abort_request(list(sched_out.num_scheduled_tokens))
+        return self._process_step(sched_out, runner_out, first_sched)
+
+    def _first_scheduled(self, sched_out) -> dict[str, float | None]:
+        return {r.req_id: self.scheduler.requests[r.req_id].first_scheduled_time
+                for r in sched_out.scheduled_new_reqs}
+
+    def _process_step(self, sched_out, runner_out, first_sched) -> list[RequestOutput]:
+        """The scheduler's and the output processor's half of a step."""
         if self.spec_decoding_stats is not None:
             for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
                 emitted = runner_out.spec_output_token_ids.get(req_id)

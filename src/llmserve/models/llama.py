@@ -166,11 +166,22 @@ class LlamaModel(nn.Module):
             and type(layer.mlp) is LlamaMLP and type(layer.mlp.act_fn) is SiluAndMul
             for layer in self.layers)
 
+    # pipeline parallelism (models/pipeline_parallel.py): this stage runs layers
+    # [start_layer, end_layer); a stage that is not the last returns (hidden, residual)
+    start_layer: int = 0
+    end_layer: int | None = None
+    is_last_stage: bool = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
+                kv_caches: list[KVCache], attn_metadata: Any,
+                intermediate_tensors: tuple[torch.Tensor, torch.Tensor] | None = None):
         if self.layer_hooks is not None:  # layer split: inputs on the embedding's device
             input_ids, positions = self.layer_hooks.inputs(input_ids, positions)
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            residual = None
+        else:  # a later pipeline stage: the previous stage's (hidden_states, residual)
+            hidden_states, residual = intermediate_tensors
         cos, sin = self.rotary_emb.get_cos_sin(positions)  # [num_tokens, 1, head_dim / 2]
         nd = getattr(attn_metadata, "num_decodes", 0)
         if nd and self.use_cpu_decode_path and getattr(attn_metadata, "num_prefills", 0) \
@@ -182,40 +193,50 @@ class LlamaModel(nn.Module):
             step = CpuDecodeStep.build(hidden_states[:nd], cos[:nd], sin[:nd], kv_caches,
                                        decode_md)
             if step is not None:
-                hd, rd = self._decode_layers(step, hidden_states[:nd], kv_caches)
+                hd, rd = self._decode_layers(step, hidden_states[:nd], kv_caches,
+                                             None if residual is None else residual[:nd])
                 hp, rp = self._layers(hidden_states[nd:], cos[nd:], sin[nd:], kv_caches,
-                                      prefill_md)
-                hidden_states, _ = self.norm(torch.cat([hd, hp]), torch.cat([rd, rp]))
-                return hidden_states
+                                      prefill_md, None if residual is None else residual[nd:])
+                return self._stage_output(torch.cat([hd, hp]), torch.cat([rd, rp]))
         # pure decode steps on CPU: the layers as raw kernel calls (models/cpu_decode.py)
         step = (CpuDecodeStep.build(hidden_states, cos, sin, kv_caches, attn_metadata)
                 if self.use_cpu_decode_path else None)
         if step is not None:
-            hidden_states, residual = self._decode_layers(step, hidden_states, kv_caches)
+            hidden_states, residual = self._decode_layers(step, hidden_states, kv_caches,
+                                                          residual)
         else:
             hidden_states, residual = self._layers(hidden_states, cos, sin, kv_caches,
-                                                   attn_metadata)
+                                                   attn_metadata, residual)
+        return self._stage_output(hidden_states, residual)
+
+    def _stage_output(self, hidden_states: torch.Tensor, residual: torch.Tensor):
+        if not self.is_last_stage:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    def _stage_layers(self):
+        return self.layers if self.end_layer is None else \
+            self.layers[self.start_layer:self.end_layer]
+
     def _decode_layers(self, step: CpuDecodeStep, hidden_states: torch.Tensor,
-                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = None
+                       kv_caches: list[KVCache], residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         hooks = self.layer_hooks
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for j, (layer, kv_cache) in enumerate(zip(self._stage_layers(), kv_caches, strict=True)):
             if hooks is not None:
-                hooks.before_decode_layer(i)
+                hooks.before_decode_layer(self.start_layer + j)
             hidden_states, residual = decode_layer(layer, step, hidden_states, residual, kv_cache)
         return hidden_states, residual
 
     def _layers(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = None
+                kv_caches: list[KVCache], attn_metadata: Any,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hooks = self.layer_hooks
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for j, (layer, kv_cache) in enumerate(zip(self._stage_layers(), kv_caches, strict=True)):
             if hooks is not None:  # offloaded weights in, hidden state to this layer's device
                 hidden_states, residual, cos, sin, attn_metadata = hooks.before_layer(
-                    i, hidden_states, residual, cos, sin, attn_metadata)
+                    self.start_layer + j, hidden_states, residual, cos, sin, attn_metadata)
             hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, kv_cache,
                                                     attn_metadata)
         return hidden_states, residual
@@ -266,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
                                                         self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: Any) -> torch.Tensor:
+                kv_caches: list[KVCache], attn_metadata: Any,
+                intermediate_tensors: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One step over the flattened batch.
 
         Args:
@@ -277,13 +299,19 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata: ``self.attn_backend_cls.build_metadata(common)``.
 
         Returns:
-            Final hidden states ``[num_tokens, hidden_size]`` (after the last norm).
+            Final hidden states ``[num_tokens, hidden_size]`` (after the last norm); on
+            a pipeline stage that is not the last, ``(hidden_states, residual)`` to send
+            on (``intermediate_tensors``: what the previous stage sent, both
+            ``[num_tokens, hidden_size]``).
 
         Raises:
             ValueError: when ``len(kv_caches) != num_hidden_layers``.
         """
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata,
+                              intermediate_tensors)
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

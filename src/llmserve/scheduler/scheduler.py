@@ -240,8 +240,11 @@ class Scheduler(SchedulerUpdateMixin):
             self.running.append(req)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step. Never blocks; returns an empty output when idle."""
+    def schedule(self, in_flight: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """Plan one step. Never blocks; returns an empty output when idle.
+
+        ``in_flight``: requests of micro-batches still in the pipeline (pipeline
+        parallelism, vLLM's batch queue): neither scheduled nor preempted this step."""
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         budget = self.config.max_num_batched_tokens
@@ -254,6 +257,9 @@ class Scheduler(SchedulerUpdateMixin):
         preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in in_flight:
+                i += 1
+                continue
             num_new = _stop_at_prompt_end(req, req.num_computed_tokens, min(
                 req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids),
                 budget))  # drafted tokens are just more tokens of the decode
@@ -265,7 +271,11 @@ class Scheduler(SchedulerUpdateMixin):
                 self.kv_limits.before_allocate(req, num_slots)
             copies = kv.allocate_slots(req.request_id, req.num_computed_tokens, num_slots)
             while copies is None:
-                victim = self.running[-1]  # most recently admitted / lowest priority
+                # most recently admitted / lowest priority, not in the pipeline
+                victim = next((r for r in reversed(self.running)
+                               if r.request_id not in in_flight), None)
+                if victim is None:
+                    break
                 self._preempt(victim, out)
                 preempted_running = True
                 if victim is req:
@@ -289,7 +299,7 @@ class Scheduler(SchedulerUpdateMixin):
         while self.waiting and budget > 0 and not preempted_running:
             req = self.waiting.peek()
             if len(self.running) >= self.config.max_num_seqs:
-                if self._preempt_lower_priority(req, scheduled, admitted, out):
+                if self._preempt_lower_priority(req, scheduled, admitted | in_flight, out):
                     budget = self.config.max_num_batched_tokens - sum(scheduled.values())
                     continue
                 break
@@ -297,7 +307,7 @@ class Scheduler(SchedulerUpdateMixin):
                 break  # its adapter waits for a running adapter's requests to finish
             ops, num_new = self._try_admit(req, budget)
             if ops is None:
-                if self._preempt_lower_priority(req, scheduled, admitted, out):
+                if self._preempt_lower_priority(req, scheduled, admitted | in_flight, out):
                     budget = self.config.max_num_batched_tokens - sum(scheduled.values())
                     continue
                 break

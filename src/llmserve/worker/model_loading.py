@@ -11,14 +11,16 @@ from llmserve.layers.quantization import resolve_quantization
 from llmserve.loader import ModelSource, checkpoint_quantization, iter_weights
 from llmserve.loader.gguf_loader import gguf_tensor_types
 from llmserve.models import get_model_class
+from llmserve.models.pipeline_parallel import make_pipeline_stage, stage_weights
 from llmserve.models.tensor_parallel import build_model_shard
 from llmserve.worker.model_runner import TORCH_DTYPES
 
 
 def load_model(config: EngineConfig, source: ModelSource, quantization: str,
-               tp: GroupCoordinator | None = None):
+               tp: GroupCoordinator | None = None, pp_rank: int = 0):
     """``(model, quantization config or None)``: this rank's shard (the whole model when
-    ``tp`` is None or has one rank), weights loaded, quantization processed, eval mode.
+    ``tp`` is None or has one rank) of pipeline stage ``pp_rank`` (its layers only, when
+    ``pipeline_parallel_size > 1``), weights loaded, quantization processed, eval mode.
 
     Raises:
         ValueError: an unsupported format or architecture, a bad weight.
@@ -42,8 +44,11 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
             model = model_cls(mc, dtype, config.attention_backend)
         else:
             model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp)
+    pc = config.parallel_config
+    make_pipeline_stage(model, mc, pp_rank, pc.pipeline_parallel_size,
+                        getattr(pc, "pp_layer_partition", None))
     # a quantization method replaces the layers' matmuls; the model code is unchanged
-    model.load_weights(iter_weights(source, mc, quantization=quant))
+    model.load_weights(stage_weights(model, iter_weights(source, mc, quantization=quant)))
     if quant is not None:
         quant.process_model(model)
     if config.deterministic:  # dense layers: fixed-shape row chunks (batch_invariant.py)

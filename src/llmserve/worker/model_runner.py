@@ -94,10 +94,11 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, getattr(model, "num_kv_heads",
                                                       mc.num_key_value_heads),
                  mc.head_dim + row_extra)
-        # per layer: key_cache, value_cache  # [num_blocks, block_size, num_kv_heads, head_dim]
-        # on that layer's device (a layer split keeps the CPU layers' KV in host memory)
-        layer_devices = getattr(model, "layer_devices", None) or \
-            [self.device] * mc.num_hidden_layers
+        # per layer of this pipeline stage: key_cache, value_cache
+        # [num_blocks, block_size, num_kv_heads, head_dim], on that layer's device (a layer
+        # split keeps the CPU layers' KV in host memory)
+        num_layers = getattr(model, "num_layers", mc.num_hidden_layers)
+        layer_devices = getattr(model, "layer_devices", None) or [self.device] * num_layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev))
@@ -111,7 +112,7 @@ class ModelRunner:
             self.host_kv_caches = [
                 (torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
                  torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
-                for _ in range(mc.num_hidden_layers)
+                for _ in range(num_layers)
             ]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -277,6 +278,12 @@ class ModelRunner:
         return by_req
 
     # ---------------------------------------------------------------- execute
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn_metadata) -> torch.Tensor | None:
+        """The forward pass: final hidden states ``[num_tokens, hidden_size]``, or None on
+        a pipeline stage that is not the last (worker/pp_worker.py)."""
+        return self.model(input_ids, positions, self.kv_caches, attn_metadata)
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, sample where due."""
@@ -293,7 +300,9 @@ class ModelRunner:
         if self.lora_manager is not None:  # each row's adapter slot (lora/layers.py)
             self.lora_manager.prepare_step([(s.lora_request, n) for s, _, _, n in self._layout],
                                            common.num_decodes)
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        hidden = self._run_model(input_ids, positions, attn_metadata)
+        if hidden is None:  # a pipeline stage before the last: sent on, nothing to sample
+            return out
         for req_id, scored in self._scored.items():
             out.kv_block_scores[req_id] = scored.scores.tolist()
         if wants_prompt_logprobs(self._layout):

@@ -90,8 +90,8 @@ class TPExecutor:
         """Wait until every rank is ready, then the smallest block count of all ranks
         (every rank allocates that many); also sends ``num_host_blocks``."""
         self.workers.wait_for("ready")
-        agreed = self.groups.tp.all_reduce_min(num_blocks)
-        self.groups.tp.broadcast_object(num_host_blocks)
+        agreed = self.groups.world.all_reduce_min(num_blocks)
+        self.groups.world.broadcast_object(num_host_blocks)
         self.workers.start_monitor()
         if agreed != num_blocks:
             logger.info("KV cache: %d blocks (the smallest of all ranks; rank 0 had %d)",
@@ -100,7 +100,7 @@ class TPExecutor:
 
     def broadcast(self, payload: Any) -> None:
         self.workers.check()
-        self.groups.tp.broadcast_object(payload)
+        self.groups.world.broadcast_object(payload)
 
     def shutdown(self) -> None:
         """Tell the followers to exit, stop them, leave the process group."""
@@ -109,7 +109,11 @@ class TPExecutor:
         self._closed = True
         if self.workers.failure() is None:
             with contextlib.suppress(Exception):  # a follower is gone: terminated below
-                self.groups.tp.broadcast_object(None)
+                self.groups.tp.broadcast_object(None)  # stage 0 (pp: on down the pipe)
+                if self.groups.pp.world_size > 1:
+                    from llmserve.worker.pp_worker import TAG_STEP
+
+                    self.groups.pp.send_object(None, 1, TAG_STEP)
         self.workers.shutdown()
         torch.set_num_threads(self._threads_before)
 
@@ -205,19 +209,32 @@ def run_worker(rank: int, store: dist.Store, payload: tuple) -> None:
     from llmserve.planner.ledger import kv_cache_bytes_per_token
 
     groups = init_parallel_groups(config.parallel_config, rank, store, "gloo", STEP_TIMEOUT_S)
-    model, _ = load_model(config, source, quantization, groups.tp)
+    model, _ = load_model(config, source, quantization, groups.tp, groups.pp_rank)
     store.set(f"ready/{rank}", "1")
     bytes_per_token = kv_cache_bytes_per_token(config.model_config, config.dtype,
                                                groups.tp.world_size)
+    if groups.pp.world_size > 1:  # this stage's layers only
+        from llmserve.models.pipeline_parallel import stage_kv_bytes_per_token
+
+        bytes_per_token = stage_kv_bytes_per_token(bytes_per_token, config.model_config, model)
     blocks, _ = kv_block_counts(config, bytes_per_token)
-    num_blocks = groups.tp.all_reduce_min(blocks)
-    num_host_blocks = groups.tp.broadcast_object(None)
-    runner = FollowerRunner(config, model, num_blocks, num_host_blocks)
+    num_blocks = groups.world.all_reduce_min(blocks)
+    num_host_blocks = groups.world.broadcast_object(None)
+    if groups.pp.world_size > 1:
+        from llmserve.worker.pp_worker import PPFollowerRunner
+
+        runner = PPFollowerRunner(config, model, num_blocks, num_host_blocks)
+        runner.setup_pipeline(groups)
+    else:
+        runner = FollowerRunner(config, model, num_blocks, num_host_blocks)
     log_rank_memory(rank, runner)
+    pipeline = groups.pp.world_size > 1
     while True:
         try:
-            msg = groups.tp.broadcast_object(None)
+            msg = runner.next_step() if pipeline else groups.world.broadcast_object(None)
             if msg is None:
+                if pipeline:
+                    runner.finish()
                 break
             sched, sampled, dropped = msg
             runner.follow(sampled, dropped)
