@@ -38,7 +38,8 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
         if tp is None or tp.world_size == 1:
             model = model_cls(mc, dtype, config.attention_backend)
         else:
-            model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp)
+            model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp,
+                                      config.parallel_config.enable_expert_parallel)
     # a quantization method replaces the layers' matmuls; the model code is unchanged
     model.load_weights(iter_weights(source, mc, quantization=quant))
     if quant is not None:
