@@ -152,11 +152,14 @@ class ParallelConfig:
     ``tensor_parallel_size`` (tp): ranks that split every layer (Megatron-LM column /
     row parallel linears, vocab-parallel embedding); ``pipeline_parallel_size`` (pp):
     stages of consecutive layers; ``data_parallel_size`` (dp): engine replicas;
-    ``enable_expert_parallel``: shard MoE experts over ``tp x dp`` ranks instead of
-    splitting each expert. ``distributed_executor_backend``: ``"mp"`` (worker
-    processes on this machine). ``startup_timeout_s``: seconds every rank has to join
+    ``enable_expert_parallel``: shard MoE experts over the tp ranks (the ep group;
+    dp replicas are separate engines) instead of refusing a MoE model at tp > 1.
+    ``distributed_executor_backend``: ``"mp"`` (worker processes on this machine). ``startup_timeout_s``: seconds every rank has to join
     and load its shard before the engine gives up (naming the missing ranks).
-    Validation against a model: :meth:`check_model`. dp > 1 does not run yet.
+    Validation against a model: :meth:`check_model`. tp > 1 (with expert parallelism
+    on MoE models) and pp > 1 run in one engine; dp > 1 is run by ``llmserve serve`` as
+    separate engine processes behind one API server
+    (:mod:`llmserve.entrypoints.openai.data_parallel`).
 
     Raises:
         ValueError: a size that is not a positive integer, an unknown backend.
@@ -183,9 +186,6 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s!r}")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not supported yet "
-                             "(tensor_parallel_size and pipeline_parallel_size are)")
 
     @property
     def world_size(self) -> int:
@@ -216,9 +216,15 @@ class ParallelConfig:
                      if _tp_mismatch(model, n) is None]
             raise ValueError(f"tensor_parallel_size={tp} does not fit {model.architecture}: "
                              f"{why}; sizes that work: {', '.join(map(str, works))}")
-        if model.num_experts:
-            raise ValueError("tensor_parallel_size > 1 is not supported for mixture-of-experts "
-                             "models yet")
+        if model.num_experts and not self.enable_expert_parallel:
+            raise ValueError("tensor_parallel_size > 1 on a mixture-of-experts model needs "
+                             "--enable-expert-parallel (experts sharded over the tp ranks)")
+        if model.num_experts and model.num_experts % tp:
+            works = [n for n in range(1, model.num_experts + 1)
+                     if model.num_experts % n == 0 and _tp_mismatch(model, n) is None]
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide "
+                             f"num_experts {model.num_experts}; sizes that work: "
+                             f"{', '.join(map(str, works))}")
 
 
 def _tp_mismatch(model: ModelConfig, tp: int) -> str | None:

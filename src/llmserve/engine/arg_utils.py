@@ -235,9 +235,10 @@ class EngineArgs:
         p.add_argument("--pipeline-parallel-size", type=int, default=1,
                        help="pipeline stages (only 1 today)")
         p.add_argument("--data-parallel-size", type=int, default=1,
-                       help="engine replicas (only 1 today)")
+                       help="serve: engine replicas, each its own process(es), behind one "
+                            "API server that routes by load and cached prefix")
         p.add_argument("--enable-expert-parallel", action="store_true", default=False,
-                       help="shard MoE experts instead of splitting each (not yet)")
+                       help="MoE models: shard the experts over the tensor-parallel ranks")
         p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
                        help="how the ranks are started: mp = processes on this machine")
         return parser

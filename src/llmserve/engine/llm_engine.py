@@ -179,6 +179,9 @@ class LLMEngine:
         config = args.create_engine_config(model_config, source.name)
         model_config = config.model_config  # with the served max_model_len
         executor = None
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 starts separate engine replicas: use "
+                             "`llmserve serve --data-parallel-size N` (one engine here)")
         if config.parallel_config.world_size > 1:  # spawn the other ranks; they load too
             from llmserve.worker.pp_worker import check_pipeline_config
             from llmserve.worker.tp_worker import TPExecutor

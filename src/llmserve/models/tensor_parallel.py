@@ -65,11 +65,14 @@ def local_model_config(config: ModelConfig, tp_size: int) -> ModelConfig:
 
 
 def build_model_shard(model_cls: type[nn.Module], config: ModelConfig, dtype: torch.dtype,
-                      attn_backend: str, tp: GroupCoordinator) -> nn.Module:
-    """This rank's model: built at local shapes, then :func:`parallelize_model`."""
+                      attn_backend: str, tp: GroupCoordinator,
+                      expert_parallel: bool = False) -> nn.Module:
+    """This rank's model: built at local shapes, then :func:`parallelize_model`
+    (``expert_parallel``: MoE experts sharded over ``tp`` as the ep group,
+    :mod:`llmserve.models.expert_parallel`)."""
     model = model_cls(local_model_config(config, tp.world_size), dtype, attn_backend)
     if tp.world_size > 1:
-        parallelize_model(model, config, tp)
+        parallelize_model(model, config, tp, expert_parallel)
     return model
 
 
@@ -94,9 +97,12 @@ def _parallel_layer(kind: str, old: nn.Module, config: ModelConfig,
     return None
 
 
-def parallelize_model(model: nn.Module, config: ModelConfig, tp: GroupCoordinator) -> None:
+def parallelize_model(model: nn.Module, config: ModelConfig, tp: GroupCoordinator,
+                      expert_parallel: bool = False) -> None:
     """Swap the layers of ``model`` (built from :func:`local_model_config`) for their
-    tensor-parallel classes, in place, before its weights are loaded.
+    tensor-parallel classes, in place, before its weights are loaded. With
+    ``expert_parallel`` the MoE experts are sharded first and the routers and shared
+    experts left whole (:func:`~llmserve.models.expert_parallel.shard_experts`).
 
     Raises:
         ValueError: a ``Linear`` or embedding the plan does not cover, or a layer of an
@@ -104,7 +110,14 @@ def parallelize_model(model: nn.Module, config: ModelConfig, tp: GroupCoordinato
     """
     plan = getattr(model, "tp_plan", None) or TP_PLAN
     swaps = []
+    whole: tuple[str, ...] = ()
+    if expert_parallel:
+        from llmserve.models.expert_parallel import shard_experts
+
+        whole = tuple(shard_experts(model, tp))
     for name, module in model.named_modules():
+        if any(name == w or name.startswith(w + ".") for w in whole):
+            continue  # replicated on every rank (expert parallelism)
         leaf = name.rsplit(".", 1)[-1]
         if leaf in plan:
             new = _parallel_layer(plan[leaf], module, config, tp)

@@ -43,7 +43,8 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
         if tp is None or tp.world_size == 1:
             model = model_cls(mc, dtype, config.attention_backend)
         else:
-            model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp)
+            model = build_model_shard(model_cls, mc, dtype, config.attention_backend, tp,
+                                      config.parallel_config.enable_expert_parallel)
     pc = config.parallel_config
     make_pipeline_stage(model, mc, pp_rank, pc.pipeline_parallel_size,
                         getattr(pc, "pp_layer_partition", None))

@@ -174,6 +174,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
+    if getattr(args, "data_parallel_size", 1) != 1:  # replicas behind this front
+        from llmserve.entrypoints.openai.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     level = "debug" if args.verbose else args.log_level
     logging.getLogger("llmserve").setLevel(level.upper())
     engine_args = EngineArgs.from_cli_args(args)

@@ -65,7 +65,9 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         topk_weights: ``[num_tokens, top_k]``; the product with an expert's output is
             taken in ``result_type(output, weights)`` (float32 weights: float32), then
             cast to ``hidden_states.dtype`` before the sum, as transformers does.
-        topk_ids: ``[num_tokens, top_k]`` int64, distinct experts within a row.
+        topk_ids: ``[num_tokens, top_k]`` int64, distinct experts within a row; the id
+            ``w13.shape[0]`` (one past the last) marks an expert held by another rank
+            (expert parallelism): its rows are zero and come last in a token's sum.
         act_fn: ``[n, 2 * intermediate_size] -> [n, intermediate_size]`` (SwiGLU).
 
     Returns:
@@ -78,9 +80,13 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     token_ids = sorted_slots // top_k  # [num_tokens * top_k], grouped by expert
     weights = topk_weights.reshape(-1)[sorted_slots]
     # weighted expert outputs, rows in expert-grouped (sorted slot) order
-    expert_out = hidden_states.new_empty((num_tokens * top_k, hidden_states.shape[1]))
+    num_local = w13.shape[0]
+    alloc = hidden_states.new_zeros if len(counts) > num_local else hidden_states.new_empty
+    expert_out = alloc((num_tokens * top_k, hidden_states.shape[1]))
     start = 0
     for expert, count in enumerate(counts):
+        if expert >= num_local:  # another rank's experts (sorted last): rows stay zero
+            break
         if count == 0:
             continue
         end = start + count
@@ -128,6 +134,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False)
