@@ -143,23 +143,43 @@ def _record(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
     return stats, handles
 
 
+def _awq_scale_layer(layer: nn.Module, stats: dict[str, Any],
+                     opts: QuantizeOptions) -> dict[str, torch.Tensor]:
+    """Search and fold every group's AWQ scales before any weight is quantized; returns
+    each group's input ``[M, K]`` as the scaled linears see it (``x / s``, for the clip
+    search).
+
+    All folds come first because a producer can be a linear of an earlier group
+    (``v_proj`` for ``o_proj``, ``up_proj`` for ``down_proj``): dividing its rows by
+    ``s`` after it was rounded would leave the checkpoint's codes without the ``1/s``
+    (AutoAWQ's ``auto_scale`` -> ``apply_scale`` for all groups, then ``auto_clip``,
+    then quantization).
+    """
+    inputs: dict[str, torch.Tensor] = {}
+    for names, producer in GROUPS:
+        mods = [layer.get_submodule(n) for n in names]
+        x = torch.cat(stats[names[0]])
+        s = awq.search_scales(x, [m.weight for m in mods], opts.bits, opts.group_size)
+        if _fold(layer.get_submodule(producer), s):
+            with torch.no_grad():
+                for m in mods:
+                    m.weight.mul_(s)
+            x = x / s
+        inputs[names[0]] = x
+    return inputs
+
+
 def quantize_layer(layer: nn.Module, stats: dict[str, Any], opts: QuantizeOptions,
                    prefix: str) -> dict[str, Any]:
     """Quantize one decoder layer's linears in place (see the module doc); returns
     ``{f"{prefix}.{name}": QuantizedLinear | (codes, scales)}``."""
     out: dict[str, Any] = {}
+    if opts.method == "awq":
+        stats = _awq_scale_layer(layer, stats, opts)
     for names, producer in GROUPS:
         mods = [layer.get_submodule(n) for n in names]
         x = stats.get(names[0])
-        if opts.method == "awq":
-            x = torch.cat(x)
-            s = awq.search_scales(x, [m.weight for m in mods], opts.bits, opts.group_size)
-            if _fold(layer.get_submodule(producer), s):
-                with torch.no_grad():
-                    for m in mods:
-                        m.weight.mul_(s)
-                x = x / s
-        elif opts.method == "smoothquant":
+        if opts.method == "smoothquant":
             s = smoothquant.smoothing_scales(x, [m.weight for m in mods], opts.alpha)
             if producer.endswith("layernorm") and _fold(layer.get_submodule(producer), s):
                 with torch.no_grad():
