@@ -26,7 +26,11 @@ from llmserve.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from llmserve.layers.quantization import get_quantization_config, resolve_quantization
 from llmserve.layers.quantization.base import UnquantizedLinearMethod
 from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
-from llmserve.layers.quantization.gguf_cpu import FusedNativeWeight, GGUFBlockWeight
+from llmserve.layers.quantization.gguf_cpu import (
+    FusedNativeWeight,
+    GGUFBlockWeight,
+    q8k_enabled,
+)
 from llmserve.layers.quantization.gguf_native import (
     GGUFNativeConfig,
     GGUFNativeLinearMethod,
@@ -180,8 +184,11 @@ def test_fused_k_quant_layer_runs_each_part_in_its_kernel(dtype, exact):
     assert isinstance(packed, FusedNativeWeight)
     # exact zero points: q, k in the int4 kernel; random fp16 d, dmin (a subnormal among
     # them): inexact, q and k fall back to gguf_matmul. v (Q6_K) is in gguf_matmul.
+    # bfloat16 on an AVX512-VNNI CPU: Q4_K and Q6_K in gguf_matmul_q8k (int8 activations).
     kinds = [getattr(p, "qtype", "int4") for p in packed.parts]
-    assert kinds == (["int4", "Q6_K"] if exact else ["Q4_K", "Q6_K"])
+    q8k = q8k_enabled(dtype)
+    assert kinds == (["int4", "Q6_K"] if exact and not q8k else ["Q4_K", "Q6_K"])
+    assert [getattr(p, "int8_activations", False) for p in packed.parts] == [q8k, q8k]
     dense = torch.cat([shards[s].dequantize() for s in ("q", "k", "v")])
     for rows in (1, 5, 20):
         x = torch.randn(rows, 256).to(dtype)
@@ -437,7 +444,9 @@ def test_qwen15_q4_k_m_native_logits_and_perplexity(qwen15_gguf):
     native = load_model(source, get_quantization_config("gguf-native"), torch.bfloat16)
     kinds = {type(m.quant_method.packed).__name__ for m in native.modules()
              if isinstance(m, Linear)}
-    assert kinds == {"Int4PackedWeight", "GGUFBlockWeight", "FusedNativeWeight"}, kinds
+    # Q4_K in the int4 kernel, or with Q6_K in gguf_matmul_q8k (int8 activations, VNNI)
+    assert kinds == ({"GGUFBlockWeight", "FusedNativeWeight"} if q8k_enabled(torch.bfloat16)
+                     else {"Int4PackedWeight", "GGUFBlockWeight", "FusedNativeWeight"}), kinds
     assert isinstance(native.lm_head.quant_method.packed, GGUFBlockWeight)
     ids = load_tokenizer(source).encode(TEXT)
     prefill = sequence_logits(native, ids, len(ids))

@@ -34,6 +34,11 @@ _SIGNATURES = {
     "q8_0_matmul": [_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _INT],
     # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
     "gguf_matmul": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
+    # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
+    "gguf_matmul_q8k": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
+    # dtype, x, x_stride, M, K, codes, scales
+    "q8k_quantize": [_INT, _P, _I64, _I64, _I64, _P, _P],
+    "gguf_q8k_available": [],
     # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
     # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
     # block_size, scale, window, num_threads
@@ -239,6 +244,69 @@ class CpuKernels:
                                        x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
                                        n, k, num_threads), "gguf_matmul")
         return out
+
+    @property
+    def has_q8k_dot(self) -> bool:
+        """True where :meth:`gguf_matmul_q8k` runs (built with AVX512-VNNI, CPU has it)."""
+        return bool(self._gguf_q8k_available())
+
+    def gguf_matmul_q8k(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
+                        num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
+        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
+        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme (cpu_kernels_vnni.c).
+
+        Args:
+            qtype: ``"Q4_K"`` or ``"Q6_K"``.
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
+            blocks: uint8 ``[N, K / 256 * block_bytes]`` contiguous (the file's bytes).
+            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype: exact integer block sums times float32 scales,
+            summed in float32 in a fixed order (a row's result never depends on the others).
+
+        Raises:
+            ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI
+                (check :attr:`has_q8k_dot`).
+        """
+        num_rows, k = x.shape
+        n = blocks.shape[0]
+        layout = GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K") else None
+        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
+                k % 256 or blocks.shape != (n, k // 256 * layout[2]) or \
+                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
+            raise ValueError(f"gguf_matmul_q8k: {qtype} x {tuple(x.shape)}, blocks "
+                             f"{tuple(blocks.shape)} {blocks.dtype}")
+        code = _code(x) if out is None else _code(x, out)
+        if out is None:
+            out = x.new_empty((num_rows, n))
+        elif out.shape != (num_rows, n) or out.stride(1) != 1:
+            raise ValueError(f"gguf_matmul_q8k: out {tuple(out.shape)} strides {out.stride()}, "
+                             f"expected [{num_rows}, {n}] with contiguous rows")
+        status = self._gguf_matmul_q8k(layout[0], code, out.data_ptr(), out.stride(0),
+                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
+                                       n, k, num_threads)
+        if status == -5:
+            raise ValueError("gguf_matmul_q8k: this CPU or build has no AVX512-VNNI")
+        check_status(status, "gguf_matmul_q8k")
+        return out
+
+    def q8k_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_K activation quantization of :meth:`gguf_matmul_q8k`: ``x [M, K]`` ->
+        int8 codes ``[M, K]`` and float32 scales ``[M, K / 256]`` (``x ~ codes * scale``).
+
+        Raises:
+            ValueError: ``K % 256 != 0`` or a non-contiguous last dimension.
+        """
+        num_rows, k = x.shape
+        if k % 256 or x.stride(1) != 1 or num_rows < 1:
+            raise ValueError(f"q8k_quantize: x {tuple(x.shape)} (K a multiple of 256)")
+        codes = torch.empty((num_rows, k), dtype=torch.int8)
+        scales = torch.empty((num_rows, k // 256), dtype=torch.float32)
+        check_status(self._q8k_quantize(_code(x), x.data_ptr(), x.stride(0), num_rows, k,
+                                        codes.data_ptr(), scales.data_ptr()), "q8k_quantize")
+        return codes, scales
 
     def paged_attention_decode(self, query: torch.Tensor, key_cache: torch.Tensor,
                                value_cache: torch.Tensor, block_table: torch.Tensor,

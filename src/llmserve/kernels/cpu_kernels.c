@@ -1047,3 +1047,6 @@ int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void 
 
 /* quantized KV cache pages: write_kv_quant, paged_attention_decode_quant */
 #include "cpu_kernels_kvq.c"
+
+/* GGUF Q4_K / Q6_K x Q8_K int8-activation matmul (VNNI) for decode rows */
+#include "cpu_kernels_vnni.c"

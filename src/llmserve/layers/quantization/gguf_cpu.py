@@ -2,10 +2,17 @@
 
 Which kernel runs a GGUF tensor (``--quantization gguf-native`` / ``gguf-hybrid``)::
 
+    Q4_K, Q6_K with bfloat16 activations on an AVX512-VNNI CPU
+                              -> gguf_matmul_q8k (C, the file's bytes, int8 activations)
     Q4_0, Q4_1, Q4_K          -> int4 kernel (int4pack: group-32 codes, exact mapping)
     Q4_K where z = -dmin m + 8 d sc is not exact in float32 -> gguf_matmul
     Q5_0, Q5_K, Q6_K, Q8_0    -> gguf_matmul (C, the file's own bytes; needs the C kernels)
     Q8_0 without C kernels    -> int4 kernel, input doubled (int4pack)
+
+``gguf_matmul_q8k`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
+``q6_K_q8_K``): each row of x quantized to int8 per 256 values (Q8_K), integer dot
+products with the 4/6-bit codes, exact per block; ``LLMSERVE_Q8K_DOT=0`` turns it off
+(then the rows above apply). Float32 activations never use it (the exact path).
 
 A fused layer (q/k/v, gate/up) whose shards differ in kernel is split into
 consecutive row parts, one weight per part, and their outputs are written side by
@@ -21,6 +28,7 @@ float32 FMAs (16 lanes, then a sum), output rounded to the activation dtype.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -33,16 +41,29 @@ logger = logging.getLogger(__name__)
 C_KERNEL_TYPES = frozenset({"Q5_0", "Q5_K", "Q6_K", "Q8_0"})
 C_FALLBACK_TYPES = frozenset({"Q4_K"})  # also in gguf_matmul, used when int4 is inexact
 MAX_ROWS = 16  # gguf_matmul takes at most 16 rows of x a call
+Q8K_TYPES = frozenset({"Q4_K", "Q6_K"})  # gguf_matmul_q8k
+
+
+def q8k_enabled(dtype: torch.dtype) -> bool:
+    """True where Q4_K / Q6_K run in ``gguf_matmul_q8k``: bfloat16 activations, C kernels
+    with AVX512-VNNI, and ``LLMSERVE_Q8K_DOT`` not set to 0."""
+    if dtype != torch.bfloat16 or os.environ.get("LLMSERVE_Q8K_DOT", "1").strip().lower() in \
+            ("0", "false", "no", "off"):
+        return False
+    kernels = get_cpu_kernels()
+    return kernels is not None and kernels.has_q8k_dot
 
 
 class GGUFBlockWeight:
     """One GGUF weight ``[N, K]`` kept as its file bytes (uint8 ``[N, bytes per row]``),
-    multiplied by the C kernel ``gguf_matmul``."""
+    multiplied by the C kernel ``gguf_matmul``, or ``gguf_matmul_q8k`` (int8
+    activations) when ``int8_activations``."""
 
     def __init__(self, qtype: str, blocks: torch.Tensor, in_features: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, int8_activations: bool = False) -> None:
         self.qtype, self.blocks, self.activation_dtype = qtype, blocks, dtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.int8_activations = int8_activations
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -50,14 +71,14 @@ class GGUFBlockWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` (into ``out`` when given); M above 16 in chunks."""
         kernels = get_cpu_kernels()
+        kernel = kernels.gguf_matmul_q8k if self.int8_activations else kernels.gguf_matmul
         threads = torch.get_num_threads()
         if x.shape[0] <= MAX_ROWS:
-            return kernels.gguf_matmul(self.qtype, x, self.blocks, threads, out)
+            return kernel(self.qtype, x, self.blocks, threads, out)
         if out is None:
             out = x.new_empty((x.shape[0], self.out_features))
         for i in range(0, x.shape[0], MAX_ROWS):
-            kernels.gguf_matmul(self.qtype, x[i:i + MAX_ROWS], self.blocks, threads,
-                                out[i:i + MAX_ROWS])
+            kernel(self.qtype, x[i:i + MAX_ROWS], self.blocks, threads, out[i:i + MAX_ROWS])
         return out
 
 
@@ -88,7 +109,9 @@ class FusedNativeWeight:
         return out
 
 
-def _kernel_of(qtype: str, c_kernels: bool) -> str | None:
+def _kernel_of(qtype: str, c_kernels: bool, q8k: bool = False) -> str | None:
+    if q8k and qtype in Q8K_TYPES:
+        return "q8k"
     if c_kernels and qtype in C_KERNEL_TYPES:
         return "c"
     return "int4" if qtype in INT4_GGUF_TYPES else None
@@ -109,7 +132,8 @@ def build_native_weight(shards: list[GGUFQuantizedTensor], dtype: torch.dtype,
         ValueError: shards of different input sizes (int4pack's checks).
     """
     c_ok = get_cpu_kernels() is not None and dtype in (torch.bfloat16, torch.float32)
-    kinds = [_kernel_of(t.qtype, c_ok) for t in shards]
+    q8k = c_ok and q8k_enabled(dtype)
+    kinds = [_kernel_of(t.qtype, c_ok, q8k) for t in shards]
     if None in kinds:
         return None
     parts: list[NativeWeight] = []
@@ -125,7 +149,7 @@ def build_native_weight(shards: list[GGUFQuantizedTensor], dtype: torch.dtype,
                 logger.info("%s; this layer runs in gguf_matmul instead", e)
             parts += [_block_weight(g, dtype) for g, _ in _runs(group, ["c"] * len(group))]
         else:
-            parts.append(_block_weight(group, dtype))
+            parts.append(_block_weight(group, dtype, kind == "q8k"))
     return parts[0] if len(parts) == 1 else FusedNativeWeight(parts)
 
 
@@ -141,6 +165,8 @@ def _runs(shards: list[GGUFQuantizedTensor], kinds: list[str]):
         i = j
 
 
-def _block_weight(group: list[GGUFQuantizedTensor], dtype: torch.dtype) -> GGUFBlockWeight:
+def _block_weight(group: list[GGUFQuantizedTensor], dtype: torch.dtype,
+                  int8_activations: bool = False) -> GGUFBlockWeight:
     blocks = np.concatenate([np.ascontiguousarray(t.blocks) for t in group])  # a copy
-    return GGUFBlockWeight(group[0].qtype, torch.from_numpy(blocks), group[0].shape[1], dtype)
+    return GGUFBlockWeight(group[0].qtype, torch.from_numpy(blocks), group[0].shape[1], dtype,
+                           int8_activations)

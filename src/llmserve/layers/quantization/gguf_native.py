@@ -88,8 +88,21 @@ class GGUFNativeConfig(QuantizationConfig):
         return GGUFNativeLinearMethod(self, layer)
 
     def process_model(self, model: nn.Module) -> None:
-        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources."""
+        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources.
+
+        gguf-hybrid: an untied LM head whose packed weight takes int8 activations
+        (``gguf_matmul_q8k``) runs it for every row and drops its dense copy (151936 x
+        1536 bf16 is 445 MiB, read for each decode step; the Q6_K blocks are 182 MiB).
+        """
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if self.dense_prefill and isinstance(method, GGUFNativeLinearMethod) and \
+                _int8_activations(method.packed):
+            method.packed_all_rows = True
+            head.weight = nn.Parameter(torch.empty(head.weight.shape, dtype=head.weight.dtype,
+                                                   device="meta"), requires_grad=False)
+            head.__dict__.pop("_matmul_fn", None)
         for module in model.modules():
             if not isinstance(module, nn.Embedding):
                 continue
@@ -123,6 +136,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
     def __init__(self, config: GGUFNativeConfig, layer: nn.Module) -> None:
         self.config = config
         self.packed: Int4PackedWeight | GGUFBlockWeight | FusedNativeWeight | None = None
+        self.packed_all_rows = False  # gguf-hybrid LM head in gguf_matmul_q8k (process_model)
         self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
         # rows loaded densely before this method took over (a mixed fused layer)
         self.dense_rows: list[tuple[int, int]] = list(layer.loaded_weight_rows)
@@ -170,12 +184,18 @@ class GGUFNativeLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        if self.config.dense_prefill:
+        if self.config.dense_prefill and not self.packed_all_rows:
             return dense_linear(x, layer.weight, bias)
         if self.packed is None:
             raise RuntimeError("GGUF native layer used before all of its weight rows were loaded")
         y = self.packed.matmul(x)
         return y if bias is None else y.add_(bias)
+
+
+def _int8_activations(packed) -> bool:
+    """True for a packed weight whose every part runs ``gguf_matmul_q8k``."""
+    parts = packed.parts if isinstance(packed, FusedNativeWeight) else [packed]
+    return all(isinstance(p, GGUFBlockWeight) and p.int8_activations for p in parts)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -1,0 +1,139 @@
+"""The Q4_K / Q6_K x int8-activation kernel ``gguf_matmul_q8k`` (cpu_kernels_vnni.c).
+
+Oracle: the weights decoded here from the raw block bytes in numpy (checked against
+``gguf.quants.dequantize``, llama.cpp's formulas), times the kernel's own quantized
+activations (codes * scale), summed in float64. The kernel's integer block sums are
+exact, so it must agree up to float32 rounding of the per-block scale products and
+sums. The activation quantization itself is checked against numpy's float32 ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from tests.test_kernels import kernels, random_gguf_blocks  # noqa: F401 (fixture)
+
+QTYPES = ["Q4_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def q8k(kernels):  # noqa: F811
+    if not kernels.has_q8k_dot:
+        pytest.skip("no AVX512-VNNI here: the bf16/fp32 gguf_matmul path runs instead")
+    return kernels
+
+
+def f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def decode_blocks(qtype: str, blocks: np.ndarray, k: int) -> np.ndarray:
+    """float64 ``[N, K]`` weights from Q4_K / Q6_K bytes (ggml-common.h layouts)."""
+    n = blocks.shape[0]
+    if qtype == "Q4_K":
+        b = blocks.reshape(n, k // 256, 144)
+        d, dmin, sc, qs = f16(b[..., 0:2]), f16(b[..., 2:4]), b[..., 4:16].astype(np.int64), \
+            b[..., 16:].astype(np.int64)
+        s = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)],
+                           -1)
+        m = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)],
+                           -1)
+        qs = qs.reshape(n, k // 256, 4, 32)  # group j reads qs[j // 2], low nibble if j even
+        q = np.stack([qs & 15, qs >> 4], -2).reshape(n, k // 256, 8, 32)
+        w = d[..., None, None] * s[..., None] * q - dmin[..., None, None] * m[..., None]
+    else:
+        b = blocks.reshape(n, k // 256, 210)
+        ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
+        sc, d = b[..., 192:208].view(np.int8).astype(np.int64), f16(b[..., 208:210])
+        q = np.empty((n, k // 256, 256), np.int64)
+        for h in range(2):
+            lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+            base = 128 * h
+            q[..., base:base + 32] = (lo[..., :32] & 15) | ((hi & 3) << 4)
+            q[..., base + 32:base + 64] = (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4)
+            q[..., base + 64:base + 96] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
+            q[..., base + 96:base + 128] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
+        w = d[..., None, None] * sc.reshape(n, k // 256, 16, 1) * \
+            (q.reshape(n, k // 256, 16, 16) - 32)
+    return w.reshape(n, k)
+
+
+def reference(q8k, qtype, x, blocks, k):
+    codes, scales = q8k.q8k_quantize(x)
+    xq = codes.double().view(x.shape[0], -1, 256) * scales.double()[..., None]
+    w = torch.from_numpy(decode_blocks(qtype, blocks, k))
+    return xq.view(x.shape[0], k) @ w.t(), xq.abs().view(x.shape[0], k) @ w.abs().t()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_decoder_matches_gguf_quants(qtype):
+    blocks = random_gguf_blocks(qtype, 8, 512, seed=3)
+    ref = dequantize(blocks, GGMLQuantizationType[qtype]).reshape(8, 512).astype(np.float64)
+    np.testing.assert_allclose(decode_blocks(qtype, blocks, 512), ref, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_is_q8_k(q8k, dtype):
+    x = torch.randn(3, 512).to(dtype)
+    x[1, :256] = 0  # an all-zero block: scale 0, codes 0
+    codes, scales = q8k.q8k_quantize(x)
+    xf = x.float().numpy().reshape(3, 2, 256)
+    amax = np.abs(xf).max(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32)
+    ref = np.clip(np.rint(xf * iscale), -127, 127).astype(np.int8).reshape(3, 512)
+    assert np.array_equal(codes.numpy(), ref)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale > 0, np.float32(1) / iscale, 0).astype(np.float32)
+    assert np.array_equal(scales.numpy(), d[..., 0])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_of_quantized_activations(q8k, qtype, dtype):
+    n, k = 40, 1024
+    blocks = random_gguf_blocks(qtype, n, k, seed=1)
+    for m in (1, 3, 4, 7, 16):
+        x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
+        x[0, 5] = 30.0  # an outlier: coarse codes in its block, exact sums all the same
+        ref, mag = reference(q8k, qtype, x, blocks, k)
+        got = q8k.gguf_matmul_q8k(qtype, x, torch.from_numpy(blocks), 2).double()
+        tol = mag * 2e-6 + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+        assert ((got - ref).abs() <= tol + 1e-30).all(), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_do_not_depend_on_the_batch(q8k, qtype):
+    """Batch invariance (issue 20): a row's bits are the same alone, in any M, any
+    position, and with 1 or 2 threads."""
+    n, k = 96, 768
+    w = torch.from_numpy(random_gguf_blocks(qtype, n, k, seed=2))
+    x = torch.randn(16, k).bfloat16()
+    alone = torch.cat([q8k.gguf_matmul_q8k(qtype, x[i:i + 1], w, 1) for i in range(16)])
+    for m in (2, 5, 8, 16):
+        got = q8k.gguf_matmul_q8k(qtype, x[:m], w, 2)
+        assert torch.equal(got, alone[:m])
+    flipped = q8k.gguf_matmul_q8k(qtype, x.flip(0)[:8], w, 2)
+    assert torch.equal(flipped, alone.flip(0)[:8])
+
+
+def test_out_argument_and_bad_input(q8k):
+    k, n = 512, 24
+    w = torch.from_numpy(random_gguf_blocks("Q6_K", n, k))
+    x = torch.randn(3, k)
+    out = torch.zeros(3, n + 8)
+    q8k.gguf_matmul_q8k("Q6_K", x, w, 2, out=out[:, 4:4 + n])
+    assert torch.equal(out[:, 4:4 + n], q8k.gguf_matmul_q8k("Q6_K", x, w, 1))
+    assert not out[:, :4].any() and not out[:, 4 + n:].any()
+    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
+        q8k.gguf_matmul_q8k("Q5_K", x, w)
+    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
+        q8k.gguf_matmul_q8k("Q6_K", torch.randn(17, k), w)
+    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
+        q8k.gguf_matmul_q8k("Q6_K", torch.randn(2, 256), w)
+    with pytest.raises(ValueError, match="q8k_quantize"):
+        q8k.q8k_quantize(torch.randn(2, 100))
