@@ -37,6 +37,7 @@ from llmserve.layers.quantization.gguf_native import (
     NativeLMHeadWeight,
 )
 from llmserve.layers.quantization.int4pack import pack_gguf_shards
+from llmserve.layers.quantization.int8_prefill import Int8PrefillWeight
 from llmserve.loader import ModelSource, iter_weights, load_model_config
 from llmserve.models import get_model_class
 from llmserve.tokenizer import load_tokenizer
@@ -221,19 +222,50 @@ def test_mixed_native_and_float_shards_stay_dense():
     assert torch.equal(layer.weight.data, torch.cat([q.dequantize(), k_float, v.dequantize()]))
 
 
-def test_hybrid_uses_dense_copy_for_prompt_rows_packed_for_decode_rows():
-    config = GGUFNativeConfig(torch.float32, dense_prefill=True)
+@pytest.mark.parametrize("prefill_weights", ["int8", "dense"])
+def test_hybrid_uses_prompt_copy_for_prompt_rows_packed_for_decode_rows(prefill_weights):
+    config = GGUFNativeConfig(torch.float32, dense_prefill=True, prefill_weights=prefill_weights)
     t = quantized("Q4_1", 32, 64, config)
     layer = Linear(64, 32)
     layer.weight_loader(layer.weight, t)
-    assert torch.equal(layer.weight.data, t.dequantize())  # the dense copy
+    if prefill_weights == "dense":
+        assert torch.equal(layer.weight.data, t.dequantize())  # the dense copy
+        assert layer.quant_method.int8 is None
+    else:  # int8 codes of the dequantized values, no dense copy
+        assert layer.weight.device.type == "meta"
+        want = Int8PrefillWeight.from_float(t.dequantize())
+        assert torch.equal(layer.quant_method.int8.codes, want.codes)
     x = torch.randn(3, 64)
     packed = layer.quant_method.packed.matmul
     for rows in (1, 3):  # the decode path's closure: the packed kernel at any M
         assert torch.equal(layer.matmul_fn()(x[:rows]), packed(x[:rows]))
     layer.quant_method.packed = None  # the module path (prompt rows) never touches it
     for rows in (1, 2, 3):
-        torch.testing.assert_close(layer(x[:rows]), F.linear(x[:rows], t.dequantize()))
+        want = F.linear(x[:rows], t.dequantize())
+        if prefill_weights == "dense":
+            torch.testing.assert_close(layer(x[:rows]), want)
+        else:
+            assert torch.equal(layer(x[:rows]), layer(x)[:rows])  # rows independent
+            torch.testing.assert_close(layer(x[:rows]), want, rtol=0.05,
+                                       atol=0.02 * want.abs().max().item())
+
+
+def test_hybrid_int8_keeps_a_dense_untied_lm_head():
+    """process_model: the LM head's prompt-row copy is dense (logits stay unquantized)."""
+    config = GGUFNativeConfig(torch.float32, dense_prefill=True, prefill_weights="int8")
+    model = torch.nn.Module()
+    model.proj, model.lm_head = Linear(64, 32), Linear(64, 48)
+    srcs = {"proj": quantized("Q4_1", 32, 64, config), "lm_head": quantized("Q4_0", 48, 64,
+                                                                            config)}
+    for name, t in srcs.items():
+        getattr(model, name).weight_loader(getattr(model, name).weight, t)
+    config.process_model(model)
+    head, proj = model.lm_head.quant_method, model.proj.quant_method
+    assert head.int8 is None and head.sources is None and proj.sources is None
+    assert torch.equal(model.lm_head.weight.data, srcs["lm_head"].dequantize())
+    assert proj.int8 is not None and model.proj.weight.device.type == "meta"
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.lm_head(x), F.linear(x, srcs["lm_head"].dequantize()))
 
 
 def test_resolve_quantization():

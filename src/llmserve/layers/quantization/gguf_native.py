@@ -57,6 +57,7 @@ from llmserve.layers.quantization.gguf_cpu import (
     native_weight_types,
 )
 from llmserve.layers.quantization.int4pack import Int4PackedWeight
+from llmserve.layers.quantization.int8_prefill import Int8PrefillWeight
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +70,26 @@ class GGUFNativeConfig(QuantizationConfig):
         dtype: activation dtype; ``torch.bfloat16`` (the vectorized kernel) or
             ``torch.float32`` (scalar kernel: exact, slow; for checks).
         dense_prefill: False = packed weights only (``gguf-native``); True = also keep
-            a dense copy in ``dtype`` for prompt rows (``gguf-hybrid``; module doc).
+            a second copy for prompt rows (``gguf-hybrid``; module doc).
+        prefill_weights: that copy (``dense_prefill`` only): ``"int8"`` = W8A8 int8
+            codes (:mod:`~llmserve.layers.quantization.int8_prefill`; the LM head keeps
+            a dense copy), ``"dense"`` = every weight dense in ``dtype``.
 
     Raises:
-        ValueError: an unsupported dtype.
+        ValueError: an unsupported dtype or ``prefill_weights``.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, dense_prefill: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, dense_prefill: bool = False,
+                 prefill_weights: str = "dense") -> None:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"native GGUF weights run bfloat16 (or float32) activations, "
                              f"got {dtype}")
+        if prefill_weights not in ("int8", "dense"):
+            raise ValueError(f"prefill_weights must be 'int8' or 'dense', got {prefill_weights!r}")
         self.dtype = dtype
         self.dense_prefill = dense_prefill
+        # gguf-hybrid's prompt-row weights: W8A8 int8 (int8_prefill.py) or a dense copy
+        self.int8_prefill = dense_prefill and prefill_weights == "int8"
         self.gguf_raw_types = native_weight_types(dtype)  # the rest arrives dequantized
         self.name = "gguf-hybrid" if dense_prefill else "gguf-native"
 
@@ -88,12 +97,19 @@ class GGUFNativeConfig(QuantizationConfig):
         return GGUFNativeLinearMethod(self, layer)
 
     def process_model(self, model: nn.Module) -> None:
-        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources.
+        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources;
+        an untied LM head's prompt-row copy is dense (its logits stay unquantized).
 
         gguf-hybrid: an untied LM head whose packed weight takes int8 activations
         (``gguf_matmul_q8k``) runs it for every row and drops its dense copy (151936 x
         1536 bf16 is 445 MiB, read for each decode step; the Q6_K blocks are 182 MiB).
         """
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, GGUFNativeLinearMethod) and method.sources is not None:
+                if module is getattr(model, "lm_head", None):
+                    method.make_dense(module)
+                method.sources = None
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         head = getattr(model, "lm_head", None)
         method = getattr(head, "quant_method", None)
@@ -137,6 +153,8 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         self.config = config
         self.packed: Int4PackedWeight | GGUFBlockWeight | FusedNativeWeight | None = None
         self.packed_all_rows = False  # gguf-hybrid LM head in gguf_matmul_q8k (process_model)
+        self.int8: Int8PrefillWeight | None = None  # gguf-hybrid's prompt rows (int8 mode)
+        self.sources: list[tuple[int, GGUFQuantizedTensor]] | None = None  # until process_model
         self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
         # rows loaded densely before this method took over (a mixed fused layer)
         self.dense_rows: list[tuple[int, int]] = list(layer.loaded_weight_rows)
@@ -164,12 +182,24 @@ class GGUFNativeLinearMethod(LinearMethodBase):
             logger.debug("layer with non-native shards stays dense")
             return
         self.packed = packed
-        if self.config.dense_prefill:
+        if self.config.int8_prefill:  # rows in order, all of them GGUF shards
+            self.int8 = Int8PrefillWeight.from_rows([t.dequantize() for _, t in shards])
+            self.sources = shards
+        if self.config.dense_prefill and not self.config.int8_prefill:
             for offset, t in shards:
                 UnquantizedLinearMethod().load_weight(layer, t, offset)
         else:
             layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype,
                                                     device="meta"), requires_grad=False)
+
+    def make_dense(self, layer: nn.Module) -> None:
+        """Replace the int8 prompt-row copy by a dense one in ``dtype`` (the LM head)."""
+        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=self.config.dtype),
+                                    requires_grad=False)
+        for offset, t in self.sources:
+            UnquantizedLinearMethod().load_weight(layer, t, offset)
+        self.int8 = None
+        layer.__dict__.pop("_matmul_fn", None)
 
     def make_matmul(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.packed is None:
@@ -184,6 +214,8 @@ class GGUFNativeLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8.matmul(x, bias)
         if self.config.dense_prefill and not self.packed_all_rows:
             return dense_linear(x, layer.weight, bias)
         if self.packed is None:
