@@ -196,15 +196,24 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LLMSERVE_API_KEY", None)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    replicas = [Replica(r, replica_command(argv), env) for r in range(n)]
     failure: dict[str, str] = {}
+    replicas: list[Replica] = []
+
+    def on_term(*_) -> None:  # SIGTERM before the front serves: stop the replicas too
+        raise SystemExit(0)
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        replicas += [Replica(r, replica_command(argv), env) for r in range(n)]
         _wait_listening(replicas, 300.0)
-    except RuntimeError as e:
+    except (RuntimeError, SystemExit) as e:
         _stop(replicas)
         sock.close()
+        signal.signal(signal.SIGTERM, previous)
+        if isinstance(e, SystemExit):
+            return 0
         print(f"llmserve serve: error: {e}", file=sys.stderr, flush=True)
         return 1
+    signal.signal(signal.SIGTERM, previous)
     policy = create_policy("cache_aware")
     pool = WorkerPool(policy)
     for r in replicas:
