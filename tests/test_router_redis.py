@@ -4,7 +4,7 @@ of two real ``llmserve serve`` workers (the default model) on loopback.
 What one replica learns or decides, the other sees: membership changes, the blocks
 it assumed cached on a worker (so a long prefix sent via A then via B lands on one
 worker, checked by the workers' own ``prefix_cache_hits_total``), sessions, the
-round-robin counter, a worker found dead. The replicas run with a long health
+a worker found dead (the shared round-robin counter: test_router_redis_state.py). The replicas run with a long health
 interval so what B knows comes from Redis, not from its own checks. Redis killed
 mid-run: both replicas keep serving from their caches and say ``degraded``. The
 worker-kill test kills worker 1, so it runs last. No assertion depends on timing
@@ -67,7 +67,8 @@ def redis_url():
 
 def replica(redis_url: str, prefix: str, *extra: str, workers=()) -> Proc:
     cmd = CLI + ["router", "--port", "0", "--health-interval", SLOW_HEALTH, "--redis-url",
-                 redis_url, "--redis-key-prefix", prefix, "--redis-sync-interval", "0.1"]
+                 redis_url, "--redis-key-prefix", prefix, "--redis-sync-interval", "0.1",
+                 "--redis-timeout", "5"]  # no false "degraded" on a busy machine
     for w in workers:
         cmd += ["--worker", w.url]
     r = Proc(cmd + list(extra), r"router: listening on (http://127\.0\.0\.1:\d+)")
@@ -97,7 +98,7 @@ def routed(r: httpx.Response) -> tuple[str, str]:
     return r.headers["x-llmserve-worker"], r.headers["x-llmserve-route-reason"]
 
 
-def test_replicas_share_membership_cache_view_sessions_and_counter(workers, redis_url):
+def test_replicas_share_membership_cache_view_and_sessions(workers, redis_url):
     w0, w1 = workers
     a = replica(redis_url, "t1:", workers=[w0])
     b = replica(redis_url, "t1:")  # no --worker: it learns them from Redis
@@ -134,15 +135,7 @@ def test_replicas_share_membership_cache_view_sessions_and_counter(workers, redi
         assert routed(post(b, {"model": DEFAULT_MODEL, "prompt": "Hello"}, **s)) == (
             "w1", "session")
         assert counter(b.url, "llmserve_router:redis_up") == 1
-    finally:
-        a.stop()
-        b.stop()
 
-    a = replica(redis_url, "t1rr:", "--policy", "round_robin", workers=workers)
-    b = replica(redis_url, "t1rr:", "--policy", "round_robin", workers=workers)
-    try:  # one counter: A, B, A, B take turns (two counters would give w0, w0, w1, w1)
-        seen = [routed(post(r, {"prompt": "Hi", "max_tokens": 1}))[0] for r in (a, b, a, b)]
-        assert seen in (["w0", "w1", "w0", "w1"], ["w1", "w0", "w1", "w0"]), seen
         d = httpx.delete(b.url + "/workers/w1", timeout=10)  # idle: removed at once
         assert d.status_code == 200 and d.json()["removed"] is True, d.text
         wait_for("A to drop w1", lambda: list(worker_urls(a)) == ["w0"])
@@ -161,12 +154,12 @@ def test_redis_down_mid_run_replicas_serve_from_cache(workers):
     b = replica(doomed.url, "t2:", workers=workers)
     try:
         assert httpx.get(a.url + "/health", timeout=10).json()["status"] == "ok"
-        post(a, {"prompt": PREFIX + "Question: 3 kg?"})
+        post(a, {"prompt": "Question: 3 kg?", "max_tokens": 1})
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait(timeout=30)
-        for r in (a, b, a, b):
-            out = post(r, {"prompt": PREFIX + "Question: 5 kg?"})
-            assert out.json()["choices"][0]["text"] is not None
+        for i, r in enumerate((a, b, a, b)):
+            out = post(r, {"prompt": f"Question: {i + 5} kg?", "max_tokens": 1})
+            assert len(out.json()["choices"]) == 1
         for r in (a, b):
             h = httpx.get(r.url + "/health", timeout=10)
             assert h.status_code == 200 and h.json()["status"] == "degraded", h.text

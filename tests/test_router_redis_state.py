@@ -102,6 +102,28 @@ def test_two_replicas_share_membership_load_blocks_and_dead_replica_load(redis_p
     asyncio.run(scenario())
 
 
+def test_round_robin_counter_and_sessions_are_shared(redis_proc):
+    async def scenario():
+        a = replica(redis_proc.url, "u3:", seeds=URLS, policy="round_robin")
+        b = replica(redis_proc.url, "u3:", seeds=URLS, policy="round_robin")
+        await a.start()
+        await b.start()
+        seen = []
+        for st in (a, b, a, b):  # one counter (two would give w0, w0, w1, w1)
+            d = await route(st, RouteRequest())
+            seen.append(d.worker.id)
+            await st.finished(d.worker, True)
+        assert seen == ["w0", "w1", "w0", "w1"]
+        d = await route(a, RouteRequest(), session="alice")  # w0 (counter at 4)
+        assert [(await route(b, RouteRequest(), "alice")).reason for _ in range(2)] == \
+            ["session", "session"]
+        assert b.pool.sessions["alice"] == d.worker.id
+        for st in (a, b):
+            await st.stop()
+
+    asyncio.run(scenario())
+
+
 def test_redis_gone_the_replica_routes_from_its_cache_and_comes_back():
     from tests.gateway_procs import redis_server_binary, start_redis
 

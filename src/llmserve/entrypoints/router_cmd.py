@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     p.add_argument("--redis-sync-interval", type=_positive_float, default=0.25,
                    help="seconds between polls of shared membership and health (default "
                         "0.25)")
+    p.add_argument("--redis-timeout", type=_positive_float, default=0.5,
+                   help="seconds a Redis call may take before this replica routes from its "
+                        "cache (default 0.5)")
     p.add_argument("--session-ttl", type=_positive_float, default=3600.0,
                    help="seconds a session's worker is remembered in Redis (default 3600)")
     p.add_argument("-v", "--verbose", action="store_true", help="log routing warnings")
@@ -98,7 +101,7 @@ def run_router(args: argparse.Namespace) -> int:
         from llmserve.router.redis_state import RedisState
         state = RedisState(pool, args.redis_url, key_prefix=args.redis_key_prefix,
                            sync_interval_s=args.redis_sync_interval,
-                           session_ttl_s=args.session_ttl,
+                           session_ttl_s=args.session_ttl, timeout_s=args.redis_timeout,
                            health_ttl_s=max(10.0, 5 * args.health_interval))
     app = build_app(pool, block_size=args.block_size, max_retries=args.max_retries,
                     health_interval_s=args.health_interval,
