@@ -136,7 +136,8 @@ def _tiny_llama_dir(path: str, tokenizer) -> tuple[str, torch.nn.Module]:
 def test_hf_and_gptq_checkpoints_to_gguf(llm_fp32, prompt_ids, tmp_path):
     """A dense HF directory -> f32 GGUF: llama.cpp's logits equal transformers' and its
     tokenizer (our BPE metadata) gives our ids; an RTN int4 GPTQ checkpoint -> q4_1 GGUF
-    whose blocks dequantize (gguf's reference) to the checkpoint's own weights."""
+    whose blocks dequantize (gguf's reference) to the checkpoint's own weights, and which
+    ``llmserve quantize --format gguf`` writes in one step."""
     from llmserve.compress.pipeline import QuantizeOptions
     from llmserve.compress.quantize import quantize_checkpoint
     from llmserve.loader import iter_weights, load_model_config, resolve_model
@@ -167,6 +168,12 @@ def test_hf_and_gptq_checkpoints_to_gguf(llm_fp32, prompt_ids, tmp_path):
     w = want["model.layers.1.mlp.down_proj.weight"].numpy()
     np.testing.assert_allclose(got.reshape(w.shape), w, atol=2e-3 * np.abs(w).max())
     assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    # `llmserve quantize --format gguf` is that same path in one command (RTN: deterministic)
+    direct = str(tmp_path / "direct.gguf")
+    assert main(["quantize", dense, "--method", "rtn", "--group-size", "32", "--format",
+                 "gguf", "--output", direct, "--no-progress"]) == 0
+    for t in gguf.GGUFReader(direct).tensors:
+        assert np.array_equal(np.asarray(t.data), np.asarray(tensors[t.name].data)), t.name
 
 
 @pytest.mark.model
