@@ -81,8 +81,12 @@ def _quantize(src: str, dst: str, weights: str) -> None:
 
         quantize_dynamic(src, dst, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
         return
+    import logging
+
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    # it logs one INFO line per graph node
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     q = MatMulNBitsQuantizer(onnx.load(src), block_size=32, is_symmetric=True,
                              op_types_to_quantize=("MatMul", "Gather"),
                              quant_axes=(("MatMul", 0), ("Gather", 1)))
