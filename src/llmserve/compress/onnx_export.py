@@ -10,13 +10,13 @@
 The graph is :class:`~llmserve.compress.onnx_reference.ReferenceDecoder` (float32, names
 as optimum / onnxruntime-genai use them: ``input_ids``, ``attention_mask``,
 ``position_ids``, ``past_key_values.N.key/value`` in, ``logits``, ``present.N.key/value``
-out), traced by ``torch.onnx.export`` (TorchScript exporter, opset 17) with dynamic
+out), traced by ``torch.onnx.export`` (TorchScript exporter, opset 21) with dynamic
 batch / sequence / past axes. A first step passes past tensors of length 0.
 
 ``weights``: ``fp32``; ``int8`` (onnxruntime ``quantize_dynamic``: int8 weights per
 tensor, dynamic uint8 activations, ``MatMulInteger``); ``int4`` (onnxruntime
-``MatMulNBitsQuantizer``: 4-bit blocks of 32 along K, ``com.microsoft.MatMulNBits``,
-weight-only, activations stay float32).
+``MatMulNBitsQuantizer``: 4-bit blocks of 32 along K, ``com.microsoft.MatMulNBits``, and
+the embedding table as ``GatherBlockQuantized``; weight-only, activations stay float32).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from llmserve.compress.onnx_reference import ReferenceDecoder, io_names
 
 WEIGHTS = ("fp32", "int8", "int4")
-OPSET = 17
+OPSET = 21
 MODEL_FILE = "model.onnx"
 
 
@@ -81,9 +81,15 @@ def _quantize(src: str, dst: str, weights: str) -> None:
 
         quantize_dynamic(src, dst, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
         return
+    import logging
+
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    q = MatMulNBitsQuantizer(onnx.load(src), block_size=32, is_symmetric=True)
+    # it logs one INFO line per graph node
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    q = MatMulNBitsQuantizer(onnx.load(src), block_size=32, is_symmetric=True,
+                             op_types_to_quantize=("MatMul", "Gather"),
+                             quant_axes=(("MatMul", 0), ("Gather", 1)))
     q.process()
     q.model.save_model_to_file(dst, use_external_data_format=False)
 
