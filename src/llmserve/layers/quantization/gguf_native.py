@@ -15,6 +15,8 @@ the call, so a token's numerics never depend on which requests share its step::
     prompt rows  (module path, Linear.forward)        -> gguf-native: packed kernel
                                                          gguf-hybrid: dense copy
     LM head      (F.linear on NativeLMHeadWeight)     -> packed kernel, any M
+    untied LM head of int8-activation weights (gguf_matmul_q8k) -> packed kernel, any M,
+                                                         also in gguf-hybrid (no dense copy)
 
 Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4, Q8_0 and
 ``gguf_matmul`` kernels compute each row on its own (the same bits for every M);
