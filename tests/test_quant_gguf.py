@@ -268,6 +268,29 @@ def test_hybrid_int8_keeps_a_dense_untied_lm_head():
     torch.testing.assert_close(model.lm_head(x), F.linear(x, srcs["lm_head"].dequantize()))
 
 
+def test_hybrid_untied_lm_head_of_blocks_runs_them_for_every_row():
+    """gguf-hybrid: an untied Q6_K LM head drops its dense copy in process_model and runs
+    the blocks' kernel for prompt and decode rows alike (the same bits for any M)."""
+    if get_cpu_kernels() is None:
+        pytest.skip("no C kernels: Q6_K layers stay dense")
+    config = GGUFNativeConfig(torch.bfloat16, dense_prefill=True)
+    model = torch.nn.Module()
+    model.lm_head = Linear(256, 64, dtype=torch.bfloat16)
+    t = k_blocks("Q6_K", 64, 256, 4)
+    t.config = config
+    model.lm_head.weight_loader(model.lm_head.weight, t)
+    assert model.lm_head.weight.device.type == "cpu"  # the dense copy, until process_model
+    config.process_model(model)
+    head = model.lm_head
+    assert head.weight.device.type == "meta" and head.quant_method.packed_all_rows
+    x = torch.randn(20, 256).bfloat16()
+    rows = torch.cat([head(x[i:i + 1]) for i in range(20)])
+    assert torch.equal(head(x), rows) and torch.equal(head.matmul_fn()(x[:3]), rows[:3])
+    want = x.double() @ t.dequantize().double().T
+    torch.testing.assert_close(rows.double(), want, rtol=2 ** -6,
+                               atol=2 ** -6 * want.abs().max().item())
+
+
 def test_resolve_quantization():
     assert resolve_quantization("auto", model_kind="gguf", dtype="bfloat16",
                                 device="cpu").name == "gguf-hybrid"
@@ -468,7 +491,9 @@ def test_qwen15_q4_k_m_native_logits_and_perplexity(qwen15_gguf):
     Q6_K LM head native; logits within the bf16 bound, perplexity within 0.5%.
 
     Measured (100 tokens of TEXT): max |diff| 0.72, mean 0.025 (max |logit| 26.5), in
-    prefill and in decode steps; perplexity 11.787 vs 11.809 (-0.18%).
+    prefill and in decode steps; perplexity 11.787 vs 11.809 (-0.18%). With the opt-in
+    int8-activation kernel (LLMSERVE_Q8K_DOT=1): max 13.0, mean 0.097 (decode 0.17),
+    perplexity 12.309 (+4.2%): this test then fails, as it should.
     """
     if get_cpu_kernels() is None:
         pytest.skip("no C kernels: Q6_K layers stay dense")

@@ -15,6 +15,8 @@ the call, so a token's numerics never depend on which requests share its step::
     prompt rows  (module path, Linear.forward)        -> gguf-native: packed kernel
                                                          gguf-hybrid: dense copy
     LM head      (F.linear on NativeLMHeadWeight)     -> packed kernel, any M
+    untied LM head of GGUF blocks (gguf_matmul[_q8k]) -> packed kernel, any M,
+                                                         also in gguf-hybrid (no dense copy)
 
 Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4, Q8_0 and
 ``gguf_matmul`` kernels compute each row on its own (the same bits for every M);
@@ -97,12 +99,12 @@ class GGUFNativeConfig(QuantizationConfig):
         return GGUFNativeLinearMethod(self, layer)
 
     def process_model(self, model: nn.Module) -> None:
-        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources;
-        an untied LM head's prompt-row copy is dense (its logits stay unquantized).
+        """Give a tied embedding's LM-head matmul the packed weight; drop raw sources.
 
-        gguf-hybrid: an untied LM head whose packed weight takes int8 activations
-        (``gguf_matmul_q8k``) runs it for every row and drops its dense copy (151936 x
-        1536 bf16 is 445 MiB, read for each decode step; the Q6_K blocks are 182 MiB).
+        gguf-hybrid: an untied LM head kept as GGUF blocks (``gguf_matmul`` or
+        ``gguf_matmul_q8k``) runs them for every row and drops its dense copy: 151936 x
+        1536 bf16 is 445 MiB read each decode step (76 ms CPU on one thread here), the
+        Q6_K blocks 182 MiB (28 ms in gguf_matmul, 19 ms in gguf_matmul_q8k).
         """
         for module in model.modules():
             method = getattr(module, "quant_method", None)
@@ -114,7 +116,7 @@ class GGUFNativeConfig(QuantizationConfig):
         head = getattr(model, "lm_head", None)
         method = getattr(head, "quant_method", None)
         if self.dense_prefill and isinstance(method, GGUFNativeLinearMethod) and \
-                _int8_activations(method.packed):
+                _all_block_weights(method.packed):
             method.packed_all_rows = True
             head.weight = nn.Parameter(torch.empty(head.weight.shape, dtype=head.weight.dtype,
                                                    device="meta"), requires_grad=False)
@@ -152,7 +154,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
     def __init__(self, config: GGUFNativeConfig, layer: nn.Module) -> None:
         self.config = config
         self.packed: Int4PackedWeight | GGUFBlockWeight | FusedNativeWeight | None = None
-        self.packed_all_rows = False  # gguf-hybrid LM head in gguf_matmul_q8k (process_model)
+        self.packed_all_rows = False  # gguf-hybrid untied LM head of blocks (process_model)
         self.int8: Int8PrefillWeight | None = None  # gguf-hybrid's prompt rows (int8 mode)
         self.sources: list[tuple[int, GGUFQuantizedTensor]] | None = None  # until process_model
         self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
@@ -224,10 +226,11 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
 
-def _int8_activations(packed) -> bool:
-    """True for a packed weight whose every part runs ``gguf_matmul_q8k``."""
+def _all_block_weights(packed) -> bool:
+    """True for a packed weight whose every part is GGUF blocks in a C kernel (each row
+    computed on its own: any M gives a row the same bits)."""
     parts = packed.parts if isinstance(packed, FusedNativeWeight) else [packed]
-    return all(isinstance(p, GGUFBlockWeight) and p.int8_activations for p in parts)
+    return all(isinstance(p, GGUFBlockWeight) for p in parts)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
