@@ -207,17 +207,36 @@ def skip_reason(level: Level, config: Any) -> str | None:
 
 
 def engine_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights as the engine holds them: ``model_weight_bytes`` plus the
-    packed kernels of int4 group methods (``quant_method.kernel``, which it misses)."""
-    from llmserve.worker.model_loading import model_weight_bytes
+    """Bytes of the weights as the engine holds them: every parameter, buffer and tensor
+    held by a layer's ``quant_method`` (packed kernels, int8 codes, scales), each
+    storage counted once (``model_weight_bytes`` misses some methods' kernels)."""
+    seen: set[int] = set()
+    total = 0
 
-    total = model_weight_bytes(model)
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+
+    def walk(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth)
+        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            for v in vars(obj).values():
+                walk(v, depth - 1)
+
+    for t in [*model.parameters(), *model.buffers()]:
+        add(t)
+        walk(getattr(t, "packed", None), 3)  # GGUF packed blocks hang off the parameter
     for m in model.modules():
-        qm = getattr(m, "quant_method", None)
-        kernel = getattr(qm, "kernel", None)
-        if kernel is not None and getattr(qm, "packed", None) is None and hasattr(kernel,
-                                                                                 "nbytes"):
-            total += kernel.nbytes()
+        walk(getattr(m, "quant_method", None), 3)
     return total
 
 
