@@ -62,6 +62,10 @@ def register(subparsers) -> None:
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.set_defaults(func=_run_quantize)
 
+    from llmserve.compress.advise_cli import register as register_advise
+
+    register_advise(subparsers)  # llmserve quantize advise MODEL (routed by the top CLI)
+
 
 def _fmt(v) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)

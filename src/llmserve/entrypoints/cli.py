@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         from llmserve.deploy.cli import main as deploy_main
 
         return deploy_main(argv)
+    if argv[:2] == ["quantize", "advise"]:  # its own parser (quantize's positional is MODEL)
+        argv = ["quantize-advise", *argv[2:]]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
