@@ -7,9 +7,12 @@ x4, pp=1, ...) so drift on a shared box hits them alike; medians are reported.
 
 *Step time* is the wall time of one round divided by the engine steps that ran a
 model step (for pp=N: micro-batches submitted), *tokens/s* the generated tokens over
-the round's wall time. The requests are split into micro-batches by the scheduler
-(``max_num_seqs`` per batch): with ``--batch 8 --max-num-seqs 2`` there are four
-groups of two requests, and with k in flight up to k of them run in the pipe at once.
+the round's wall time. The token budget splits the running requests into
+micro-batches: with ``--batch 4 --max-num-batched-tokens 2`` each batch carries two
+decodes (or a two-token prefill chunk), so with k in flight up to k such batches are
+in the pipe at once; with one in flight the same batches run one after the other.
+pp=1 runs with the per-stage thread count (1 here): at 2 threads on this
+oversubscribed box OpenMP barrier waits made it ~10x slower, not a fair baseline.
 
 The bubble: with one batch in flight each stage idles while the other runs, so a
 step costs the sum of the stages (plus the hand-offs); with >= N in flight the
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 
@@ -42,8 +46,9 @@ def _round(llm, prompts, params) -> tuple[float, int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-num-seqs", type=int, default=2, help="requests per micro-batch")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2,
+                    help="token budget per micro-batch (2: two decodes per batch)")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", default="1,2,4")
@@ -55,13 +60,13 @@ def main() -> int:
     from llmserve import LLM, SamplingParams
 
     kw = dict(dtype=args.dtype, kv_cache_memory="64MiB", max_model_len=512,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = [f"Write a short story about a robot named R{i}." for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    threads = torch.get_num_threads()
     single = LLM(**kw)
     pipe = LLM(pipeline_parallel_size=args.pp, **kw)  # each rank: threads // pp
     pp_threads = torch.get_num_threads()
+    threads = pp_threads  # pp=1 at the per-stage thread count (see the module docstring)
     depths = [int(x) for x in args.in_flight.split(",")]
     for llm in (single, pipe):  # warm-up
         _round(llm, prompts[:2], SamplingParams(temperature=0, max_tokens=2))
@@ -73,10 +78,13 @@ def main() -> int:
         for d in depths:
             pipe.engine.batch_queue.max_in_flight = d
             samples[f"pp{args.pp}_inflight{d}"].append(_round(pipe, prompts, params))
+        print("round:", {k: [round(x, 3) for x in v[-1]] for k, v in samples.items()},
+              file=sys.stderr, flush=True)
     report = {"model": "smollm2-135m-instruct", "dtype": args.dtype, "pp": args.pp,
               "threads": {"pp1": threads, "per_stage": pp_threads},
               "load_average": [round(x, 1) for x in os.getloadavg()],
-              "batch": args.batch, "max_num_seqs": args.max_num_seqs,
+              "batch": args.batch, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_depth_seen": pipe.engine.batch_queue.max_depth,
               "output_len": args.output_len, "rounds": args.rounds}
     for name, rows in samples.items():
         report[name] = {
