@@ -91,7 +91,8 @@ class GGUFNativeConfig(QuantizationConfig):
         # gguf-hybrid's prompt-row weights: W8A8 int8 (int8_prefill.py) or a dense copy
         self.int8_prefill = dense_prefill and prefill_weights == "int8"
         self.gguf_raw_types = native_weight_types(dtype)  # the rest arrives dequantized
-        self.name = "gguf-hybrid" if dense_prefill else "gguf-native"
+        self.name = ("gguf-hybrid-int8" if self.int8_prefill else "gguf-hybrid") \
+            if dense_prefill else "gguf-native"
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethodBase:
         return GGUFNativeLinearMethod(self, layer)
@@ -169,7 +170,8 @@ class GGUFNativeLinearMethod(LinearMethodBase):
             return
         self.packed = packed
         if self.config.int8_prefill:  # rows in order, all of them GGUF shards
-            self.int8 = Int8PrefillWeight.from_rows([t.dequantize() for _, t in shards])
+            self.int8 = Int8PrefillWeight.from_rows([t.dequantize() for _, t in shards],
+                                                    rotate=True)
             self.sources = shards
         if self.config.dense_prefill and not self.config.int8_prefill:
             for offset, t in shards:
