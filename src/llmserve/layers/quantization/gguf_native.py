@@ -1,10 +1,11 @@
 """Native GGUF weights: the int4 CPU kernel (Q4_0 / Q4_1 / Q4_K) and the C kernel
 ``gguf_matmul`` (Q5_0 / Q5_K / Q6_K / Q8_0) instead of dense matmuls.
 
-Registered as ``gguf-native`` (packed weights only, the least memory) and
+Registered as ``gguf-native`` (packed weights only, the least memory),
 ``gguf-hybrid`` (packed weights for decode rows, plus a dense bfloat16 copy for
 prompt rows, where a dense GEMM is faster: the int4 kernel re-dequantizes every
-weight once per 4 rows of ``x``). Numerics and the kernels' contracts:
+weight once per 4 rows of ``x``) and ``gguf-hybrid-int8`` (the prompt-row copy as
+W8A8 int8 codes: :mod:`llmserve.layers.quantization.int8_prefill`). Numerics and the kernels' contracts:
 :mod:`llmserve.layers.quantization.int4pack` and
 :mod:`llmserve.layers.quantization.gguf_cpu` (which type runs where).
 
