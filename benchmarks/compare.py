@@ -60,12 +60,14 @@ QUICK = dict(w1_prompt=32, w1_new=48, w2_prompt=128, w3_n=8, w3_lo=32, w3_hi=128
              reps_small=2, reps_w3=1)
 LLMSERVE_FORMATS = {"llmserve-fp32": ("float32", "none"), "llmserve-bf16": ("bfloat16", "none"),
                     "llmserve-native": ("bfloat16", "gguf-native"),
-                    "llmserve-hybrid": ("bfloat16", "gguf-hybrid")}
+                    "llmserve-hybrid": ("bfloat16", "gguf-hybrid"),
+                    "llmserve-hybrid-int8": ("bfloat16", "gguf-hybrid-int8")}
 METRICS = {"w1": "decode_tok_s", "w2": "prefill_tok_s", "w3": "output_tok_s"}
 LABELS = {"w1": "W1 decode tok/s", "w2": "W2 prefill tok/s", "w3": "W3 output tok/s"}
 # transformers keeps a K-quant GGUF's weights packed and computes in float32 (bfloat16
 # casts every matmul's input and output: slower), so float32 is its best dtype here
-REAL_DEFAULTS = {"llmserve": ["llmserve-hybrid"], "transformers": ["float32"], "w3_skip": []}
+REAL_DEFAULTS = {"llmserve": ["llmserve-hybrid", "llmserve-hybrid-int8"], "transformers": ["float32"],
+                 "w3_skip": []}
 SMOLLM2_DEFAULTS = {"llmserve": list(LLMSERVE_FORMATS), "transformers": ["float32", "bfloat16"],
                     "w3_skip": ["transformers-fp32"]}
 

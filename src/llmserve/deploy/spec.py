@@ -44,7 +44,7 @@ KNOWN_HEADS = {DEFAULT_MODEL: (9, 3), "qwen2.5-coder-0.5b-instruct": (14, 2),
                "qwen2.5-coder-1.5b-instruct-q4_k_m": (12, 2)}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # llmserve.layers.quantization.QUANTIZATION_METHODS (that module imports torch)
-QUANTIZATION = ("auto", "none", "gguf-native", "gguf-hybrid", "gptq", "awq",
+QUANTIZATION = ("auto", "none", "gguf-native", "gguf-hybrid", "gguf-hybrid-int8", "gptq", "awq",
                 "compressed-tensors")
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$"  # a DNS label: Kubernetes object names
 REGISTRY_RE = re.compile(r"^registry://([a-z0-9][a-z0-9._-]*)([@:])([A-Za-z0-9._-]+)$")

@@ -5,6 +5,9 @@
 ``gguf-native``  GGUF Q4_0 / Q4_1 / Q4_K in PyTorch's int4 CPU kernel, Q5_0 / Q5_K / Q6_K /
                Q8_0 in the C kernel ``gguf_matmul``; packed only
 ``gguf-hybrid``  the same for decode rows, plus a dense bf16 copy for prompt rows
+``gguf-hybrid-int8``  the same for decode rows; prompt rows W8A8 (Hadamard-rotated
+               per-token int8 activations x int8 weights, ``int8_prefill.py``), the LM
+               head dense; opt-in (perplexity +0.77% on Qwen2.5-Coder-1.5B Q4_K_M)
 ``auto``       ``gguf-hybrid`` for a GGUF model on CPU with bfloat16 activations whose
                tensor types all run natively or are float (``gguf-native`` with
                ``--deterministic``: one kernel for all rows); a quantized safetensors
@@ -48,7 +51,7 @@ CHECKPOINT_METHODS: dict[str, str] = {
     "compressed-tensors": "compressed_tensors.CompressedTensorsConfig",
 }
 QUANTIZATION_METHODS: tuple[str, ...] = ("auto", "none", "gguf-native", "gguf-hybrid",
-                                         *CHECKPOINT_METHODS)
+                                         "gguf-hybrid-int8", *CHECKPOINT_METHODS)
 FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})  # dense in every format
 
 
@@ -93,6 +96,8 @@ def get_quantization_config(name: str, dtype: torch.dtype | None = None,
         return GGUFNativeConfig(dtype, dense_prefill=False)
     if name == "gguf-hybrid":
         return GGUFNativeConfig(dtype, dense_prefill=True)
+    if name == "gguf-hybrid-int8":
+        return GGUFNativeConfig(dtype, dense_prefill=True, prefill_weights="int8")
     raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
 
 
@@ -156,7 +161,8 @@ def resolve_quantization(name: str, *, model_kind: str, dtype: str, device: str,
         raise ValueError(f"--quantization {name} needs a safetensors checkpoint whose "
                          f"config.json has quantization_config.quant_method {name!r}")
     runnable = model_kind == "gguf" and device == "cpu" and dtype == "bfloat16" \
-        and name in ("auto", "gguf-native", "gguf-hybrid") and _has_int4_kernel()
+        and name in ("auto", "gguf-native", "gguf-hybrid", "gguf-hybrid-int8") \
+        and _has_int4_kernel()
     if name == "auto":
         if not runnable or _uncovered(gguf_types):
             return None

@@ -1,10 +1,11 @@
 """Native GGUF weights: the int4 CPU kernel (Q4_0 / Q4_1 / Q4_K) and the C kernel
 ``gguf_matmul`` (Q5_0 / Q5_K / Q6_K / Q8_0) instead of dense matmuls.
 
-Registered as ``gguf-native`` (packed weights only, the least memory) and
+Registered as ``gguf-native`` (packed weights only, the least memory),
 ``gguf-hybrid`` (packed weights for decode rows, plus a dense bfloat16 copy for
 prompt rows, where a dense GEMM is faster: the int4 kernel re-dequantizes every
-weight once per 4 rows of ``x``). Numerics and the kernels' contracts:
+weight once per 4 rows of ``x``) and ``gguf-hybrid-int8`` (the prompt-row copy as
+W8A8 int8 codes: :mod:`llmserve.layers.quantization.int8_prefill`). Numerics and the kernels' contracts:
 :mod:`llmserve.layers.quantization.int4pack` and
 :mod:`llmserve.layers.quantization.gguf_cpu` (which type runs where).
 
@@ -93,7 +94,8 @@ class GGUFNativeConfig(QuantizationConfig):
         # gguf-hybrid's prompt-row weights: W8A8 int8 (int8_prefill.py) or a dense copy
         self.int8_prefill = dense_prefill and prefill_weights == "int8"
         self.gguf_raw_types = native_weight_types(dtype)  # the rest arrives dequantized
-        self.name = "gguf-hybrid" if dense_prefill else "gguf-native"
+        self.name = ("gguf-hybrid-int8" if self.int8_prefill else "gguf-hybrid") \
+            if dense_prefill else "gguf-native"
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethodBase:
         return GGUFNativeLinearMethod(self, layer)
@@ -185,7 +187,8 @@ class GGUFNativeLinearMethod(LinearMethodBase):
             return
         self.packed = packed
         if self.config.int8_prefill:  # rows in order, all of them GGUF shards
-            self.int8 = Int8PrefillWeight.from_rows([t.dequantize() for _, t in shards])
+            self.int8 = Int8PrefillWeight.from_rows([t.dequantize() for _, t in shards],
+                                                    rotate=True)
             self.sources = shards
         if self.config.dense_prefill and not self.config.int8_prefill:
             for offset, t in shards:
