@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pytest-xdist workers for make test (the suite waits on server start-ups a lot: 2 on 2 cores)
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmserve-installed
 
@@ -38,7 +40,7 @@ generate: setup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -88,3 +88,13 @@ def hf_model(gguf_path):
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
     return model.eval()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) each test file is
+    one group, so its module-scoped servers start once on one worker, and every
+    ``real_model`` test is one group, so the multi-GiB Qwen models load one at a time."""
+    for item in items:
+        group = "real_model" if item.get_closest_marker("real_model") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
