@@ -85,7 +85,7 @@ def test_cache_aware_digest_replaces_what_it_assumed():
     """A worker's published digest is the truth as of when it was asked for: prompts
     routed before then and not in it are forgotten (evicted), later ones still
     assumed, and a prefix never routed there but published is a hit."""
-    p = create_policy("cache_aware", cache_threshold=0.5)
+    p = create_policy("cache_aware", cache_threshold=0.5, digest_grace_s=0.0)
     clock = [100.0]
     p.clock = lambda: clock[0]
     ws = workers(0, 0)
@@ -102,6 +102,24 @@ def test_cache_aware_digest_replaces_what_it_assumed():
     assert (d.worker.id, d.reason, d.matched_tokens) == ("w1", "cache_hit", 3 * BS)
     p.on_remove("w1")
     assert p.matched_blocks("w1", a.block_hashes) == 0
+
+
+def test_cache_aware_digest_keeps_prompts_routed_within_the_grace():
+    """A prompt routed 5 s before a digest was asked for may still be prefilling: the
+    digest (which lacks it) does not erase it; one routed 40 s before is erased."""
+    p = create_policy("cache_aware", cache_threshold=0.5)  # digest_grace_s 30
+    clock = [100.0]
+    p.clock = lambda: clock[0]
+    ws = workers(0, 0)
+    old, recent = rr(list(range(64))), rr(list(range(1000, 1064)))
+    p.on_routed(old, ws[0])
+    clock[0] = 135.0
+    p.on_routed(recent, ws[0])
+    p.on_digest("w0", [], asked_at=140.0)
+    assert p.matched_blocks("w0", old.block_hashes) == 0
+    assert p.matched_blocks("w0", recent.block_hashes) == 4
+    with pytest.raises(ValueError, match="digest_grace_s"):
+        create_policy("cache_aware", digest_grace_s=-1)
 
 
 def test_block_pool_cache_version_follows_the_cached_set():

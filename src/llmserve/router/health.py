@@ -129,7 +129,8 @@ class HealthChecker:
         policy.on_digest(w.id, hashes, asked_at)
         w.digest_version = d["version"]
         if self.state is not None:
-            await self.state.digest(w, hashes, d["version"], asked_at_wall)
+            await self.state.digest(w, hashes, d["version"],
+                                    asked_at_wall - getattr(policy, "digest_grace_s", 0.0))
 
     async def run_once(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))

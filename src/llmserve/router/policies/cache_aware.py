@@ -44,7 +44,10 @@ from llmserve.router.worker import Worker
 class CacheAwarePolicy(RoutingPolicy):
     """Args: ``balance_abs_threshold`` (requests, default 32), ``balance_rel_threshold``
     (ratio, default 1.1), ``cache_threshold`` (fraction of prompt blocks, default 0.3),
-    ``max_blocks_per_worker`` (LRU bound of the per-worker view).
+    ``max_blocks_per_worker`` (LRU bound of the per-worker view), ``digest_grace_s``
+    (seconds, default 30: a digest replaces only assumptions routed at least this long
+    before it was asked for, since a prompt routed just before may still be prefilling
+    and not yet in the worker's cache).
 
     Raises:
         ValueError: a negative threshold, a ratio < 1, or a bound < 1.
@@ -55,7 +58,8 @@ class CacheAwarePolicy(RoutingPolicy):
     wants_digest = True  # the health checker feeds it workers' /kv_cache/digest
 
     def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
-                 cache_threshold: float = 0.3, max_blocks_per_worker: int = 200_000) -> None:
+                 cache_threshold: float = 0.3, max_blocks_per_worker: int = 200_000,
+                 digest_grace_s: float = 30.0) -> None:
         if balance_abs_threshold < 0:
             raise ValueError("balance_abs_threshold must be >= 0")
         if balance_rel_threshold < 1.0:
@@ -64,6 +68,9 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError("cache_threshold must be in [0, 1]")
         if max_blocks_per_worker < 1:
             raise ValueError("max_blocks_per_worker must be >= 1")
+        if not digest_grace_s >= 0:
+            raise ValueError("digest_grace_s must be >= 0")
+        self.digest_grace_s = float(digest_grace_s)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
@@ -86,10 +93,12 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def on_digest(self, worker_id: str, hashes: list[bytes], asked_at: float) -> None:
         """The worker holds exactly ``hashes`` as of ``asked_at`` (``self.clock`` time the
-        digest was requested): it replaces every assumption made before then."""
+        digest was requested): it replaces every assumption made ``digest_grace_s`` or
+        more before then (later ones may still be prefilling there)."""
         self._published[worker_id] = frozenset(hashes)
         held = self._blocks.get(worker_id)
-        while held and next(iter(held.values())) < asked_at:
+        cutoff = asked_at - self.digest_grace_s
+        while held and next(iter(held.values())) < cutoff:
             held.popitem(last=False)
 
     def is_imbalanced(self, workers: list[Worker]) -> bool:
