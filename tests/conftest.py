@@ -8,8 +8,14 @@ import os
 
 import pytest
 
+# `make test` runs two pytest-xdist workers on 2 cores: one thread each, in the servers
+# they start too (OMP_NUM_THREADS is inherited), or OpenMP's spinning barriers of
+# several 2-thread processes on 2 cores stall each other (steps 10x slower)
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 torch = pytest.importorskip("torch")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(1 if XDIST_WORKER else max(1, min(2, os.cpu_count() or 1)))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -122,6 +122,10 @@ def build() -> dict:
             [("llmserve_router:worker_healthy", "{{worker}}")])
     b.panel("Worker In-Flight", "Router requests outstanding per worker.",
             [("llmserve_router:worker_in_flight", "{{worker}}")])
+    b.panel("Shared State (Redis)", "--redis-url: 1 while the replica reaches Redis, 0 while "
+            "it routes from its local cache (degraded); failed Redis calls by operation.",
+            [("llmserve_router:redis_up", "Redis up"),
+             (f"sum by(op) (rate(llmserve_router:redis_errors_total[{RI}]))", "errors {{op}}")])
     b.panel("Tiered Routing", "Requests per alias by the tier that answered; escalations.",
             [(f"sum by(alias, model) (rate(llmserve_router:tier_requests_total[{RI}]))",
               "{{alias}} -> {{model}}"),
