@@ -79,11 +79,11 @@ CLI = [sys.executable, "-m", "llmserve.entrypoints.cli"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def workers():
-    # worker 0 also answers as "small", worker 1 as "large" (the tiered-routing test)
+def tier_workers(kv_cache_memory: str):
+    """Two default-model workers; worker 0 also answers as "small", worker 1 as "large"
+    (a model only one of them serves: the tiered-routing tests)."""
     procs = [Proc(CLI + ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory",
-                         "256MiB", "--disable-uvicorn-access-log", "--served-model-name",
+                         kv_cache_memory, "--disable-uvicorn-access-log", "--served-model-name",
                          DEFAULT_MODEL, tier],
                   r"listening on (http://127\.0\.0\.1:\d+)") for tier in ("small", "large")]
     try:
@@ -94,6 +94,11 @@ def workers():
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    yield from tier_workers("256MiB")
 
 
 def start_router(urls: list[str], *extra: str) -> Proc:

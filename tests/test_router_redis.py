@@ -23,9 +23,9 @@ from tests.test_router import (
     CLIENT_TIMEOUT,
     DEFAULT_MODEL,
     PREFIX,
-    START_TIMEOUT,
     Proc,
     counter,
+    tier_workers,
     worker_urls,
 )
 
@@ -39,19 +39,7 @@ SLOW_HEALTH = "120"  # seconds: no health round between a replica's start and it
 
 @pytest.fixture(scope="module")
 def workers():
-    # worker 0 also answers as "small", worker 1 as "large": a model only one serves
-    procs = [Proc(CLI + ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory",
-                         "128MiB", "--disable-uvicorn-access-log", "--served-model-name",
-                         DEFAULT_MODEL, tier],
-                  r"listening on (http://127\.0\.0\.1:\d+)") for tier in ("small", "large")]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        for p in procs:
-            p.wait_ready(deadline)
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from tier_workers("128MiB")
 
 
 @pytest.fixture(scope="module")
