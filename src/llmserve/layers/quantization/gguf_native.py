@@ -238,11 +238,21 @@ def _all_block_weights(packed) -> bool:
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with one row run as two: oneDNN's M = 1 path (a GEMV) sums in another
-    order than its GEMM, which gives every row the same bits for any M >= 2 (module doc)."""
-    if x.shape[0] == 1:
-        return F.linear(torch.cat([x, x]), weight, bias)[:1]
-    return F.linear(x, weight, bias)
+    """``F.linear(x [M, K], weight [N, K], bias)`` -> ``[M, N]`` on zero-padded chunks of
+    exactly :data:`DENSE_CHUNK_ROWS` rows, so every GEMM call has one shape and a row's
+    bits never depend on M: oneDNN picks its kernel by M (its M = 1 GEMV, and with AMX
+    its bf16 GEMM also changes blocking with M; seen at N 576, K 1536, M 40 vs 2)."""
+    m = x.shape[0]
+    pad = -m % DENSE_CHUNK_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == DENSE_CHUNK_ROWS:
+        return F.linear(x, weight, bias)[:m]
+    return torch.cat([F.linear(c, weight, bias) for c in x.split(DENSE_CHUNK_ROWS)])[:m]
+
+
+# rows per GEMM call of dense_linear (a prompt chunk of 512 tokens is 8 calls)
+DENSE_CHUNK_ROWS = 64
 
 
 class Q8_0Weight:
