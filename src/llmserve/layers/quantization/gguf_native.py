@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import get_cpu_kernels
+from llmserve.layers.batch_invariant import chunked_linear
 from llmserve.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
@@ -242,13 +243,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor,
     exactly :data:`DENSE_CHUNK_ROWS` rows, so every GEMM call has one shape and a row's
     bits never depend on M: oneDNN picks its kernel by M (its M = 1 GEMV, and with AMX
     its bf16 GEMM also changes blocking with M; seen at N 576, K 1536, M 40 vs 2)."""
-    m = x.shape[0]
-    pad = -m % DENSE_CHUNK_ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    if x.shape[0] == DENSE_CHUNK_ROWS:
-        return F.linear(x, weight, bias)[:m]
-    return torch.cat([F.linear(c, weight, bias) for c in x.split(DENSE_CHUNK_ROWS)])[:m]
+    return chunked_linear(x, weight, bias, chunk_rows=DENSE_CHUNK_ROWS)
 
 
 # rows per GEMM call of dense_linear (a prompt chunk of 512 tokens is 8 calls)
