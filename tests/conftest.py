@@ -104,3 +104,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = "real_model" if item.get_closest_marker("real_model") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session):
+    """Fail fast if ``--dist loadgroup`` lost its groups: pytest-xdist marks a grouped
+    item by renaming it ``nodeid@group``; when a pytest release breaks that rename
+    (pytest 9.2 with xdist 3.8), every module-scoped fixture is silently set up once per
+    worker and the suite runs minutes over its budget."""
+    if not XDIST_WORKER or not getattr(session.config.option, "loadgroup", False) or not session.items:
+        return
+    if not any("@" in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist ignored the xdist_group marks under pytest {pytest.__version__}; "
+            f"install the pytest version pyproject.toml pins")
