@@ -308,4 +308,6 @@ def test_adapter_around_native_gguf_int4_layers(tmp_path):
         torch.testing.assert_close(run(native, chunk, manager), ref, rtol=0, atol=1e-4)
     bf16 = load_model(source, GGUFNativeConfig(torch.bfloat16), torch.bfloat16)
     got = run(bf16, 1, LoRAModelManager(bf16, 1, 4, dtype=torch.bfloat16))
-    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    # bf16 activations: a few percent off in norm, the same next token almost everywhere
+    assert (got - ref).norm() < 0.05 * ref.norm()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

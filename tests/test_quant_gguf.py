@@ -321,8 +321,12 @@ def _permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
 
 
 def write_tiny_gguf(path) -> str:
-    """1 layer, hidden 64, 4 heads (2 KV), vocab 64, tied Q8_0 embedding, Q4 layers."""
+    """1 layer, hidden 64, 4 heads (2 KV), vocab 64, tied Q8_0 embedding, Q4 layers.
+
+    The weights come from their own seeded generator: the same file whatever ran before.
+    """
     hidden, ffn, vocab = 64, 96, 64
+    rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     for add, v in ((w.add_block_count, 1), (w.add_context_length, 128),
                    (w.add_embedding_length, hidden), (w.add_feed_forward_length, ffn),
@@ -332,7 +336,7 @@ def write_tiny_gguf(path) -> str:
     w.add_layer_norm_rms_eps(1e-5)
 
     def add(name, shape, qtype=None, scale=0.2):
-        x = (RNG.standard_normal(shape) * scale + (1.0 if "norm" in name else 0)).astype(np.float32)
+        x = (rng.standard_normal(shape) * scale + (1.0 if "norm" in name else 0)).astype(np.float32)
         if "attn_q" in name:
             x = _permute(x, 4)
         elif "attn_k" in name:
