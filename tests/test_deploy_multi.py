@@ -55,7 +55,12 @@ def duo(tmp_path_factory):
                           prompt_lookup_max: 3}}
             worker: {{max_num_seqs: 4, kv_cache_memory: 64MiB, max_model_len: 512}}
             replicas: {{min: 1, max: 2}}
-        router: {{policy: least_load, health_interval_s: 0.5}}
+        router:
+          policy: least_load
+          health_interval_s: 0.5
+          tiers:
+            auto:
+              levels: [{{model: chat-small, max_score: 0.35}}, {{model: chat}}]
         gateway:
           teams: {{research: {{rpm: 100000}}}}
           keys:
@@ -87,7 +92,7 @@ def worker_url(duo, model: str) -> str:
 
 def test_each_model_answers_through_gateway_and_router(duo):
     c = client(duo, duo["admin"])
-    assert sorted(m.id for m in c.models.list().data) == ["chat", "chat-small"]
+    assert sorted(m.id for m in c.models.list().data) == ["auto", "chat", "chat-small"]
     for name in ("chat", "chat-small"):
         r = c.chat.completions.create(model=name, messages=[{"role": "user",
                                                              "content": "Name a colour."}],
@@ -95,6 +100,20 @@ def test_each_model_answers_through_gateway_and_router(duo):
         assert r.model == name and r.usage.completion_tokens > 0
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="chat-big", prompt="hi", max_tokens=2)
+
+
+def test_spec_tier_alias_routes_by_complexity(duo):
+    """The spec's ``router.tiers`` reach the router: ``model: auto`` answers from the
+    small model for a short question and from the large one for a long coding task
+    (the router's heuristic complexity score, llmserve.router.tiers)."""
+    c = client(duo, duo["admin"])
+    coding = ("Implement a Python class LRUCache with get and put in O(1), then write "
+              "unit tests for it. Explain step by step the design and compare the "
+              "trade-offs:\n```python\nclass LRUCache:\n    pass\n```\n") * 2
+    for text, tier in (("What is the capital of France?", "chat-small"), (coding, "chat")):
+        r = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": text}],
+                                      max_tokens=2, temperature=0)
+        assert r.model == tier, text[:40]
 
 
 def test_key_restricted_to_one_model(duo):

@@ -179,6 +179,8 @@ models:
   - name: fixed
     replicas: {min: 1, max: 1}
 autoscaling: {target_concurrency: 6, target_ttft_p90_s: 0.5}
+router:
+  tiers: {auto: {levels: [{model: chat-small, max_score: 0.35}, {model: chat}]}}
 """
 
 
@@ -226,6 +228,13 @@ def test_two_model_render_validates_and_has_per_model_objects():
     assert workers == [f"http://duo-{m}-{i}.duo-{m}.llmserve.svc:8000" for m, n in
                        (("chat", 4), ("chat-small", 3), ("fixed", 1)) for i in range(n)]
     parser = build_parser()
+    args = parser.parse_args(router)  # the spec's tiers: a router.yaml in the ConfigMap
+    assert args.config == "/etc/llmserve/router.yaml"
+    config = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "duo-config")
+    assert yaml.safe_load(config["data"]["router.yaml"])["tiers"]["auto"]["levels"][1] == \
+        {"model": "chat"}
+    mounts = templates["duo-router"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "config", "mountPath": "/etc/llmserve", "readOnly": True} in mounts
     chat = parser.parse_args(templates["duo-chat"]["spec"]["containers"][0]["args"])
     small = parser.parse_args(templates["duo-chat-small"]["spec"]["containers"][0]["args"])
     assert chat.kv_store == "redis://duo-redis.llmserve.svc:6379/0" and small.kv_store is None

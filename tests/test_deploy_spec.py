@@ -170,6 +170,29 @@ def test_two_models_and_what_must_agree():
     assert loc == "models[1].speculative.draft_model"
 
 
+TIERS = """\
+    router:
+      tiers:
+        auto:
+          levels: [{model: chat-small, max_score: 0.35}, {model: chat}]
+    """
+
+
+def test_router_tiers_are_checked_against_the_models():
+    spec = parse_spec(TWO + textwrap.dedent(TIERS))
+    assert spec.router.router_yaml() == {"tiers": {"auto": {"levels": [
+        {"model": "chat-small", "max_score": 0.35}, {"model": "chat"}]}}}
+    assert "--config" not in parse_spec(TWO).router.cli_args(16, "h", 1, None)
+    (loc, line, msg), = errors(TWO + textwrap.dedent(TIERS).replace("model: chat}", "model: big}"))
+    assert (loc, line) == ("router.tiers.auto.levels[1].model", 16) and "'big'" in msg
+    (loc, _, msg), = errors(TWO + textwrap.dedent(TIERS).replace("auto:", "chat:"))
+    assert loc == "router.tiers.chat" and "also a model name" in msg
+    (loc, _, msg), = errors(TWO + textwrap.dedent(TIERS).replace("max_score: 0.35", "max_score: 2"))
+    assert loc == "router.tiers" and "max_score" in msg
+    limited = (TWO + textwrap.dedent(TIERS)).replace("{research: {models: [chat]}}", "{research: {models: [auto]}}")
+    assert parse_spec(limited).gateway.teams["research"].models == ["auto"]  # an alias is ok
+
+
 def test_worker_args_pass_speculative_config_and_kv_store():
     """The flags parse with the real `llmserve serve` parser, and the JSON is what the
     engine's own SpeculativeConfig accepts (the oracle: its validation)."""

@@ -350,7 +350,9 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
                                                                    "config"),
          "data": {"llmserve.yaml": spec_text or yaml.safe_dump(spec.model_dump(mode="json"),
                                                                sort_keys=False),
-                  "gateway.yaml": gw_yaml}},
+                  "gateway.yaml": gw_yaml,
+                  **({"router.yaml": yaml.safe_dump(spec.router.router_yaml(), sort_keys=False)}
+                     if spec.router.router_yaml() is not None else {})}},
         {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
          "metadata": _meta(spec, f"{spec.name}-secrets", "config"),
          "stringData": {"LLMSERVE_MASTER_KEY": "", "AWS_ACCESS_KEY_ID": "",
@@ -362,10 +364,8 @@ def render_kubernetes(spec: DeploymentSpec, spec_text: str | None = None) -> lis
                                 image="redis:7-alpine")
     docs += workers
     r = spec.router
-    router_args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy",
-                   r.policy, "--block-size", str(spec.block_size),
-                   "--health-interval", str(r.health_interval_s), "--max-retries",
-                   str(r.max_retries)]
+    router_cfg = "/etc/llmserve/router.yaml" if r.router_yaml() is not None else None
+    router_args = ["router", *r.cli_args(spec.block_size, "0.0.0.0", ROUTER_PORT, router_cfg)]
     for u in urls:
         router_args += ["--worker", u]
     if r.replicas > 1:  # replicas agree on workers, load and cache view through Redis

@@ -166,15 +166,14 @@ def spawn_worker(st: StateFile, spec: DeploymentSpec, m: ModelSpec, index: int,
     return rec
 
 
-def _router_cmd(spec: DeploymentSpec, worker_urls: list[str]) -> list[str]:
+def _router_cmd(spec: DeploymentSpec, worker_urls: list[str], state_dir: str) -> list[str]:
     r = spec.router
-    cmd = CLI + ["router", "--host", r.host, "--port", str(r.port), "--policy", r.policy,
-                 "--block-size", str(spec.block_size),
-                 "--health-interval", str(r.health_interval_s),
-                 "--max-retries", str(r.max_retries),
-                 "--cache-threshold", str(r.cache_threshold),
-                 "--balance-abs-threshold", str(r.balance_abs_threshold),
-                 "--balance-rel-threshold", str(r.balance_rel_threshold)]
+    cfg = None
+    if r.router_yaml() is not None:
+        cfg = os.path.join(state_dir, "router.yaml")
+        with open(cfg, "w", encoding="utf-8") as f:
+            yaml.safe_dump(r.router_yaml(), f, sort_keys=False)
+    cmd = CLI + ["router", *r.cli_args(spec.block_size, r.host, r.port, cfg)]
     for u in worker_urls:
         cmd += ["--worker", u]
     return cmd
@@ -253,7 +252,7 @@ class Deployment:
                 self.st.save(self.data)
                 m = self.spec.model_named(w.extra["model"])
                 log(f"{w.id:10s} {w.url}  ({m.name} from {m.source or DEFAULT_MODEL})")
-            router = spawn("router", "router", _router_cmd(self.spec, [w.url for w in workers]),
+            router = spawn("router", "router", _router_cmd(self.spec, [w.url for w in workers], self.st.dir),
                            os.path.join(self.st.dir, "router.log"))
             self._add(router)
             wait_ready(router, deadline)

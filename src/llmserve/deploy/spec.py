@@ -34,7 +34,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from llmserve.deploy.yaml_lines import line_of, load_with_lines
 
@@ -128,6 +128,33 @@ class RouterSpec(_Strict):
     cache_threshold: float = Field(0.3, ge=0, le=1)
     balance_abs_threshold: int = Field(32, ge=0)
     balance_rel_threshold: float = Field(1.1, ge=1)
+    # tier aliases, as router.yaml's `tiers:` (llmserve.router.tiers), e.g.
+    # {auto: {levels: [{model: small, max_score: 0.35}, {model: large}]}}
+    tiers: dict[str, Any] = {}
+
+    @field_validator("tiers")
+    @classmethod
+    def _valid_tiers(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from llmserve.router.tiers import parse_tiers  # serving plane, no torch
+
+        parse_tiers(v, "tiers")
+        return v
+
+    def cli_args(self, block_size: int, host: str, port: int,
+                 config_path: str | None) -> list[str]:
+        """``llmserve router`` arguments (after ``router``) for this spec; ``config_path``:
+        where :meth:`router_yaml` was written (None: no file, no tiers)."""
+        args = ["--host", host, "--port", str(port), "--policy", self.policy,
+                "--block-size", str(block_size), "--health-interval", str(self.health_interval_s),
+                "--max-retries", str(self.max_retries),
+                "--cache-threshold", str(self.cache_threshold),
+                "--balance-abs-threshold", str(self.balance_abs_threshold),
+                "--balance-rel-threshold", str(self.balance_rel_threshold)]
+        return args + (["--config", config_path] if config_path else [])
+
+    def router_yaml(self) -> dict | None:
+        """The router's ``--config`` file (its tier aliases), or None without tiers."""
+        return {"tiers": self.tiers} if self.tiers else None
 
 
 class TeamSpec(_Strict):

@@ -93,6 +93,14 @@ def cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
                 and sp.prompt_lookup_min > sp.prompt_lookup_max:
             errs.append(((*at, "speculative", "prompt_lookup_min"),
                          "must not exceed prompt_lookup_max"))
+    for alias, tier in spec.router.tiers.items():
+        if alias in names:
+            errs.append((("router", "tiers", alias), f"alias {alias!r} is also a model name"))
+        for j, level in enumerate(tier["levels"]):
+            if level["model"] not in names:
+                errs.append((("router", "tiers", alias, "levels", j, "model"),
+                             f"unknown model {level['model']!r}; the spec's models: {names}"))
+    names = names + list(spec.router.tiers)  # a key or team may be limited to an alias
     for where, allowed in [(("gateway", "teams", t, "models"), team.models)
                            for t, team in spec.gateway.teams.items()] + \
             [(("gateway", "keys", i, "models"), k.models)
