@@ -196,7 +196,7 @@ def test_router_tiers_are_checked_against_the_models():
 def test_worker_args_pass_speculative_config_and_kv_store():
     """The flags parse with the real `llmserve serve` parser, and the JSON is what the
     engine's own SpeculativeConfig accepts (the oracle: its validation)."""
-    from llmserve.deploy.local import worker_args
+    from llmserve.deploy.worker_args import worker_args
     from llmserve.entrypoints.cli import build_parser
     from llmserve.spec_decode.config import SpeculativeConfig
 
@@ -214,19 +214,23 @@ def test_worker_args_pass_speculative_config_and_kv_store():
             cfg.prompt_lookup_max) == ("ngram", 3, 1, 1)
 
 
-def test_worker_args_pass_tensor_parallel_size_and_refuse_pp():
-    """tp reaches `llmserve serve --tensor-parallel-size` (parsed by the real CLI, and
-    the engine's ParallelConfig accepts it for the default model's 9 heads); pp, which
-    the engine does not run, is refused naming the field."""
+def test_worker_args_pass_parallel_sizes():
+    """tp/pp/dp/ep reach `llmserve serve` with vLLM's flag names (parsed by the real CLI,
+    and the engine's ParallelConfig accepts them for the default model's 9 heads); a
+    pp spec with what pipeline stages cannot run is refused naming the field."""
     from llmserve.config import ParallelConfig
-    from llmserve.deploy.local import worker_args
+    from llmserve.deploy.worker_args import worker_args
     from llmserve.entrypoints.cli import build_parser
 
-    spec = parse_spec(GOOD.replace("max_num_seqs: 8,", "tp: 3, max_num_seqs: 8,"))
+    spec = parse_spec(GOOD.replace("max_num_seqs: 8,", "tp: 3, pp: 2, dp: 2, ep: 2, "
+                                                      "max_num_seqs: 8,"))
     a = build_parser().parse_args(["serve", *worker_args(spec.models[0])])
-    assert a.tensor_parallel_size == 3
-    ParallelConfig(tensor_parallel_size=a.tensor_parallel_size)
-    assert "--tensor-parallel-size" not in worker_args(parse_spec(GOOD).models[0])
-    pp = parse_spec(GOOD.replace("max_num_seqs: 8,", "pp: 2, max_num_seqs: 8,"))
-    with pytest.raises(ValueError, match=r"worker\.pp"):
-        worker_args(pp.models[0])
+    assert (a.tensor_parallel_size, a.pipeline_parallel_size, a.data_parallel_size,
+            a.enable_expert_parallel) == (3, 2, 2, True)
+    ParallelConfig(tensor_parallel_size=3, pipeline_parallel_size=2)
+    one = build_parser().parse_args(["serve", *worker_args(parse_spec(GOOD).models[0])])
+    assert (one.tensor_parallel_size, one.pipeline_parallel_size, one.data_parallel_size,
+            one.enable_expert_parallel) == (1, 1, 1, False)
+    [(loc, line, msg)] = errors(GOOD.replace("max_num_seqs: 8,",
+                                             "pp: 2, kv_store: true, max_num_seqs: 8,"))
+    assert loc == "models[0].worker.kv_store" and line == 4 and "worker.pp 2" in msg

@@ -268,8 +268,8 @@ def test_swap_preemption_keeps_quantized_tokens(det_base, fmt):
 def test_deploy_spec_passes_kv_cache_dtype_to_the_real_cli():
     import textwrap
 
-    from llmserve.deploy.local import worker_args
     from llmserve.deploy.spec import parse_spec
+    from llmserve.deploy.worker_args import worker_args
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.entrypoints.cli import build_parser
 

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from llmserve.deploy.local import tune_command, worker_args
+from llmserve.deploy.local import tune_command
 from llmserve.deploy.spec import parse_spec
+from llmserve.deploy.worker_args import worker_args
 from llmserve.entrypoints.tune_cmd import pick_budget, pick_kv_memory
 
 STEPS = {256: 0.020, 512: 0.035, 1024: 0.060, 2048: 0.130, 4096: 0.300}

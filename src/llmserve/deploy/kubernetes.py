@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from llmserve.deploy.spec import DeploymentSpec, ModelSpec
+from llmserve.deploy.worker_args import worker_args
 
 WORKER_PORT, ROUTER_PORT, GATEWAY_PORT, REDIS_PORT = 8000, 8080, 8081, 6379
 CONFIDENTIAL = {  # node label (Node Feature Discovery), default runtime class (CoCo)
@@ -125,36 +126,6 @@ def _container(spec: DeploymentSpec, name: str, args: list[str], port: int,
     return c
 
 
-def engine_flags(m: ModelSpec, redis_url: str | None = None) -> list[str]:
-    """``llmserve serve`` flags for ``m`` in a pod (parallel sizes with vLLM's names);
-    ``redis_url``: the deployment's Redis, the ``--kv-store`` of ``worker.kv_store``."""
-    w = m.worker
-    args = ["--served-model-name", m.name, "--dtype", m.dtype, "--quantization",
-            m.quantization, "--max-num-seqs", str(w.max_num_seqs), "--block-size",
-            str(w.block_size), "--device", w.device, "--disable-uvicorn-access-log"]
-    for flag, value in (("--tensor-parallel-size", w.tp), ("--pipeline-parallel-size", w.pp),
-                        ("--data-parallel-size", w.dp)):
-        if value != 1:
-            args += [flag, str(value)]
-    if w.ep != 1:
-        args += ["--enable-expert-parallel"]
-    if w.max_num_batched_tokens != "auto":
-        args += ["--max-num-batched-tokens", str(w.max_num_batched_tokens)]
-    if w.kv_cache_memory not in (None, "auto"):
-        args += ["--kv-cache-memory", str(w.kv_cache_memory)]
-    if w.max_model_len:
-        args += ["--max-model-len", str(w.max_model_len)]
-    if m.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", m.kv_cache_dtype]
-    if m.speculative:
-        args += ["--speculative-config", m.speculative.config_json()]
-    if w.kv_store and redis_url:
-        args += ["--kv-store", redis_url]
-        if w.kv_store_ttl:
-            args += ["--kv-store-ttl", str(w.kv_store_ttl)]
-    return args + list(w.extra_args)
-
-
 def _worker_labels(spec: DeploymentSpec, m: ModelSpec) -> dict[str, str]:
     return {**_labels(spec, "worker"), "llmserve.dev/model": m.name}
 
@@ -194,8 +165,8 @@ def _workers(spec: DeploymentSpec, m: ModelSpec, redis_url: str
             "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
                 {"name": "LLMSERVE_NNODES", "value": str(w.pp)}]
     container = _container(spec, "worker", ["serve", "--host", "0.0.0.0", "--port",
-                                            str(WORKER_PORT), "--model", m.source,
-                                            *engine_flags(m, redis_url)], WORKER_PORT, env=env,
+                                            str(WORKER_PORT), *worker_args(m, None, redis_url)],
+                           WORKER_PORT, env=env,
                            mounts=mounts, resources=resources)
     objs: list[dict] = []
     urls: list[str] = []

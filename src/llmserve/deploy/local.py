@@ -27,6 +27,7 @@ import yaml
 
 from llmserve.deploy.procs import CLI, ProcRecord, StateFile, spawn, stop, wait_ready
 from llmserve.deploy.spec import DEFAULT_MODEL, DeploymentSpec, ModelSpec, load_spec
+from llmserve.deploy.worker_args import worker_args
 
 STOP_ORDER = ("autoscaler", "gateway", "router", "worker", "redis")
 
@@ -65,50 +66,6 @@ def run_tune(m: ModelSpec, log_path: str, timeout_s: float) -> dict | None:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             raise RuntimeError(f"llmserve tune failed:\n{f.read()[-3000:]}")
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
-
-
-def worker_args(m: ModelSpec, tuned: dict | None = None,
-                redis_url: str | None = None) -> list[str]:
-    """The ``llmserve serve`` flags of one replica of ``m`` (no host/port); ``auto``
-    values come from ``tuned`` (the JSON of ``llmserve tune``) or are left to the
-    engine's defaults when it is None. ``redis_url``: the deployment's Redis, passed
-    as ``--kv-store`` when ``m.worker.kv_store``.
-
-    Raises:
-        ValueError: a setting ``llmserve serve`` does not start locally yet
-            (pipeline, data or expert parallelism), naming the spec field.
-    """
-    w = m.worker
-    for name in ("pp", "dp", "ep"):
-        if getattr(w, name) != 1:
-            raise ValueError(f"models.{m.name}.worker.{name}: `llmserve serve` has tensor "
-                             f"parallelism only; {name} > 1 is rendered for Kubernetes "
-                             "but not started locally")
-    args = ["--model", m.source, "--served-model-name", m.name, "--dtype", m.dtype,
-            "--quantization", m.quantization, "--max-num-seqs", str(w.max_num_seqs),
-            "--block-size", str(w.block_size), "--device", w.device,
-            "--disable-uvicorn-access-log"]
-    if w.max_num_batched_tokens != "auto":
-        args += ["--max-num-batched-tokens", str(w.max_num_batched_tokens)]
-    elif tuned:
-        args += ["--max-num-batched-tokens", str(tuned["max_num_batched_tokens"])]
-    if w.kv_cache_memory is not None and w.kv_cache_memory != "auto":
-        args += ["--kv-cache-memory", str(w.kv_cache_memory)]
-    elif w.kv_cache_memory == "auto" and tuned:
-        args += ["--kv-cache-memory", str(tuned["kv_cache_memory"])]
-    if m.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", m.kv_cache_dtype]
-    if w.tp != 1:  # the replica's own rank processes (llmserve.distributed)
-        args += ["--tensor-parallel-size", str(w.tp)]
-    if w.max_model_len is not None:
-        args += ["--max-model-len", str(w.max_model_len)]
-    if m.speculative is not None:
-        args += ["--speculative-config", m.speculative.config_json()]
-    if w.kv_store and redis_url:
-        args += ["--kv-store", redis_url]
-        if w.kv_store_ttl:
-            args += ["--kv-store-ttl", str(w.kv_store_ttl)]
-    return args + list(w.extra_args)
 
 
 def s3_env(spec: DeploymentSpec) -> dict[str, str]:
@@ -224,8 +181,6 @@ class Deployment:
             raise ValueError(f"deployment {self.spec.name!r} is already up "
                              f"({self.st.path}); run `llmserve down` first")
         os.makedirs(self.st.dir, exist_ok=True)
-        for m in self.spec.models:
-            worker_args(m)  # refuse unsupported settings before anything starts
         self.data.update(started_at=time.time(), procs=[], tuned={}, next_worker={})
         try:
             if self.spec.redis.url:

@@ -1,7 +1,7 @@
 """Cross-field checks of a :class:`~llmserve.deploy.spec.DeploymentSpec` (what
 pydantic's per-field validation cannot see): replicas bounds, tp against the model's
 heads, what must agree across models (unique names, one ``worker.block_size`` for the
-one router), the KV store with a draft model, gateway keys and ``models:``
+one router), the KV store with a draft model, what pipeline stages cannot run, gateway keys and ``models:``
 restrictions against the spec, autoscaling targets and windows. Each problem is a
 ``(field path, message)``; :func:`~llmserve.deploy.spec.parse_spec` adds the line.
 """
@@ -55,6 +55,13 @@ def cross_checks(spec: DeploymentSpec) -> list[tuple[tuple, str]]:
                          f"{m.worker.block_size} differs from models[0].worker.block_size "
                          f"({spec.models[0].worker.block_size}): one router hashes every "
                          "prompt in one block size (its --block-size); use one value"))
+        if m.worker.pp > 1:  # what pipeline stages cannot run (worker.pp_worker)
+            for field, on in ((("speculative",), m.speculative is not None),
+                              (("worker", "kv_store"), m.worker.kv_store)):
+                if on:
+                    errs.append(((*at, *field), f"does not combine with worker.pp "
+                                                f"{m.worker.pp} (pipeline stages run without "
+                                                "it yet); use pp: 1 or drop it"))
         if m.worker.kv_store and m.speculative and m.speculative.method == "draft_model":
             errs.append(((*at, "worker", "kv_store"), "the shared KV store does not hold a "
                                                       "draft model's KV; use method ngram "
