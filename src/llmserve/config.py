@@ -142,7 +142,7 @@ class SchedulerConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,9 @@ class ParallelConfig:
     stages of consecutive layers; ``data_parallel_size`` (dp): engine replicas;
     ``enable_expert_parallel``: shard MoE experts over the tp ranks (the ep group;
     dp replicas are separate engines) instead of refusing a MoE model at tp > 1.
-    ``distributed_executor_backend``: ``"mp"`` (worker processes on this machine). ``startup_timeout_s``: seconds every rank has to join
+    ``distributed_executor_backend``: ``"mp"`` (worker processes on this machine) or
+    ``"ray"`` (Ray tasks in a placement group, on the cluster of ``RAY_ADDRESS`` or a
+    local Ray; :mod:`llmserve.distributed.ray_executor`). ``startup_timeout_s``: seconds every rank has to join
     and load its shard before the engine gives up (naming the missing ranks).
     Validation against a model: :meth:`check_model`. tp > 1 (with expert parallelism
     on MoE models) and pp > 1 run in one engine; dp > 1 is run by ``llmserve serve`` as

@@ -63,15 +63,18 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _worker_entry(target: Callable[[int, dist.Store, Any], None], rank: int, world_size: int,
-                  port: int, payload: Any, timeout_s: float) -> None:
-    """The spawned process: join the store, run ``target``, report an exception's cause."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+def join_and_run(target: Callable[[int, dist.Store, Any], None], rank: int,
+                 world_size: int, host: str, port: int, payload: Any,
+                 timeout_s: float) -> None:
+    """A worker rank's life on any backend: join the driver's store at ``host:port``
+    (``"joined/<rank>"`` = its pid), run ``target``; an exception's cause goes to
+    ``"error/<rank>"`` (and stderr) before it is re-raised."""
+    store = dist.TCPStore(host, port, world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     store.set(f"joined/{rank}", str(os.getpid()))
     try:
         target(rank, store, payload)
-    except BaseException as e:  # report why, then exit non-zero
+    except BaseException as e:
         if isinstance(e, RankFailedError):  # it lost a peer: one line, not a traceback
             print(f"llmserve rank {rank}: {e}", file=sys.stderr)
         else:
@@ -79,6 +82,15 @@ def _worker_entry(target: Callable[[int, dist.Store, Any], None], rank: int, wor
         with contextlib.suppress(Exception):
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         sys.stderr.flush()
+        raise
+
+
+def _worker_entry(target: Callable[[int, dist.Store, Any], None], rank: int, world_size: int,
+                  port: int, payload: Any, timeout_s: float) -> None:
+    """The spawned process: :func:`join_and_run` on loopback, then exit (1 on an error)."""
+    try:
+        join_and_run(target, rank, world_size, "127.0.0.1", port, payload, timeout_s)
+    except BaseException:
         os._exit(1)
     os._exit(0)
 

@@ -239,8 +239,9 @@ class EngineArgs:
                             "API server that routes by load and cached prefix")
         p.add_argument("--enable-expert-parallel", action="store_true", default=False,
                        help="MoE models: shard the experts over the tensor-parallel ranks")
-        p.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
-                       help="how the ranks are started: mp = processes on this machine")
+        p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                       help="how the ranks are started: mp = processes on this machine; "
+                            "ray = Ray tasks on the cluster of RAY_ADDRESS (or a local Ray)")
         return parser
 
     @classmethod

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.utils import format_size
 from llmserve.worker.model_loading import load_model, model_weight_bytes
 from llmserve.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from llmserve.distributed.ray_executor import RayWorkers
 
 logger = logging.getLogger("llmserve.tp")
 
@@ -58,7 +61,7 @@ def _strip_for_followers(sched: SchedulerOutput) -> SchedulerOutput:
 class TPExecutor:
     """The driver's handle on its worker processes and groups (built by :meth:`start`)."""
 
-    def __init__(self, workers: WorkerProcesses, groups: ParallelGroups,
+    def __init__(self, workers: WorkerProcesses | RayWorkers, groups: ParallelGroups,
                  threads_before: int) -> None:
         self.workers, self.groups = workers, groups
         self._closed = False
@@ -75,8 +78,18 @@ class TPExecutor:
         pc = config.parallel_config
         threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, threads_before // pc.world_size))  # as each worker does
-        workers = WorkerProcesses(run_worker, (config, source, quantization), pc.world_size,
-                                  pc.startup_timeout_s)
+        payload = (config, source, quantization)
+        if pc.distributed_executor_backend == "ray":  # ranks as Ray tasks, any node
+            from llmserve.distributed.ray_executor import RayWorkers
+
+            try:
+                workers = RayWorkers(run_worker, payload, pc.world_size, pc.startup_timeout_s,
+                                     use_gpu=str(config.device).startswith("cuda"))
+            except BaseException:
+                torch.set_num_threads(threads_before)
+                raise
+        else:
+            workers = WorkerProcesses(run_worker, payload, pc.world_size, pc.startup_timeout_s)
         try:
             workers.wait_for("joined")
             groups = init_parallel_groups(pc, 0, workers.store, "gloo", STEP_TIMEOUT_S)
