@@ -35,8 +35,12 @@ def register(subparsers) -> None:
                     "health-checked in dependency order; returns once the gateway answers.")
     p.add_argument("spec", help="the deployment spec (llmserve.yaml)")
     _state_arg(p)
-    p.add_argument("--backend", default="local", choices=["local"],
-                   help="where to run (local processes; Kubernetes: use `render`)")
+    p.add_argument("--backend", default="local", choices=["local", "ray"],
+                   help="where the workers run: local processes, or Ray actors on the "
+                        "cluster of --ray-address (the rest stays here); Kubernetes: "
+                        "use `render`")
+    p.add_argument("--ray-address", default=None,
+                   help="with --backend ray: the cluster (default: RAY_ADDRESS)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds for everything to become healthy (default 900)")
     p.set_defaults(func=run_up)
@@ -106,7 +110,14 @@ def run_up(args) -> int:
     from llmserve.deploy.spec import load_spec
 
     spec = load_spec(args.spec)
-    dep = Deployment(spec, args.spec, args.state_dir)
+    ray_address = None
+    if args.backend == "ray":
+        ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
+        if not ray_address:
+            print("llmserve up: error: --backend ray needs --ray-address or RAY_ADDRESS "
+                  "(`ray start --head` prints it)", file=sys.stderr)
+            return 2
+    dep = Deployment(spec, args.spec, args.state_dir, ray_address=ray_address)
     try:
         ready = dep.up(timeout_s=args.timeout, log=lambda s: print(s, flush=True))
     except RuntimeError as e:

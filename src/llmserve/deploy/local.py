@@ -113,12 +113,27 @@ def start_redis(st: StateFile, deadline: float) -> ProcRecord:
 
 
 def spawn_worker(st: StateFile, spec: DeploymentSpec, m: ModelSpec, index: int,
-                 tuned: dict | None = None, redis_url: str | None = None) -> ProcRecord:
-    """Start replica ``index`` of model ``m`` (id ``worker-<model>-<index>``)."""
+                 tuned: dict | None = None, redis_url: str | None = None,
+                 ray_address: str | None = None) -> ProcRecord:
+    """Start replica ``index`` of model ``m`` (id ``worker-<model>-<index>``): a child
+    process, or with ``ray_address`` a Ray actor on the cluster (:mod:`.ray_backend`)."""
     wid = f"worker-{m.name}-{index}"
-    cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0",
-                 *worker_args(m, tuned, redis_url)]
-    rec = spawn("worker", wid, cmd, os.path.join(st.dir, f"{wid}.log"), env=s3_env(spec))
+    log = os.path.join(st.dir, f"{wid}.log")
+    if ray_address is None:
+        cmd = CLI + ["serve", "--host", "127.0.0.1", "--port", "0",
+                     *worker_args(m, tuned, redis_url)]
+        rec = spawn("worker", wid, cmd, log, env=s3_env(spec))
+    else:
+        from llmserve.deploy.ray_backend import NODE_IP, spawn_actor
+
+        cmd = CLI + ["serve", "--host", NODE_IP, "--port", "0",
+                     *worker_args(m, tuned, redis_url)]
+        w = m.worker
+        ranks = w.tp * w.pp * w.dp
+        need = {"CPU": 1, "GPU": ranks} if w.device.startswith("cuda") else {"CPU": ranks}
+        info = spawn_actor(f"{spec.name}/{wid}", cmd, s3_env(spec), log, need, ray_address)
+        rec = ProcRecord("worker", wid, info.pop("pid"), info.pop("create_time"), cmd,
+                         info.pop("log"), extra=info)
     rec.extra["model"] = m.name
     return rec
 
@@ -140,10 +155,13 @@ class Deployment:
     """A running (or starting) local deployment: the spec, its state file and its
     records. Methods save the state after every change."""
 
-    def __init__(self, spec: DeploymentSpec, spec_path: str, state_dir: str) -> None:
+    def __init__(self, spec: DeploymentSpec, spec_path: str, state_dir: str,
+                 ray_address: str | None = None) -> None:
+        """``ray_address``: place the workers on that Ray cluster (``up --backend ray``)."""
         self.spec, self.spec_path = spec, os.path.abspath(spec_path)
         self.st = StateFile(state_dir, spec.name)
-        self.data: dict = {"name": spec.name, "spec": self.spec_path, "procs": []}
+        self.data: dict = {"name": spec.name, "spec": self.spec_path, "procs": [],
+                           "ray_address": ray_address}
 
     @classmethod
     def attach(cls, state_dir: str, name: str) -> Deployment:
@@ -180,8 +198,19 @@ class Deployment:
         if self.st.exists() and any(p.alive() for p in self.st.load()["procs"]):
             raise ValueError(f"deployment {self.spec.name!r} is already up "
                              f"({self.st.path}); run `llmserve down` first")
+        ray_address = self.data.get("ray_address")
+        if ray_address is not None:
+            from llmserve.deploy.ray_backend import connect
+
+            bad = [m.name for m in self.spec.models if m.worker.kv_store]
+            if bad and not (self.spec.redis.url or "").startswith(("redis://", "rediss://")):
+                raise ValueError(f"models {bad}: worker.kv_store with --backend ray needs "
+                                 "redis.url, a redis:// address the Ray nodes reach")
+            # the cluster's own address, so later commands find the actors without it
+            ray_address = connect(ray_address).get_runtime_context().gcs_address
         os.makedirs(self.st.dir, exist_ok=True)
-        self.data.update(started_at=time.time(), procs=[], tuned={}, next_worker={})
+        self.data.update(started_at=time.time(), procs=[], tuned={}, next_worker={},
+                         ray_address=ray_address)
         try:
             if self.spec.redis.url:
                 self.data["redis_url"] = self.spec.redis.url
@@ -199,7 +228,7 @@ class Deployment:
                         log(f"tuned      {m.name}: {k} = {tuned[k]}: {tuned['why'][k]}")
                 n = max(m.replicas.min, 1)
                 workers += [self._add(spawn_worker(self.st, self.spec, m, i, tuned,
-                                                   self.data["redis_url"]))
+                                                   self.data["redis_url"], ray_address))
                             for i in range(n)]
                 self.data["next_worker"][m.name] = n
             for w in workers:
@@ -274,7 +303,7 @@ class Deployment:
         nxt[model] = index + 1
         tuned = self.data.get("tuned") or {}
         rec = self._add(spawn_worker(self.st, self.spec, m, index, tuned.get(model),
-                                     self.data.get("redis_url")))
+                                     self.data.get("redis_url"), self.data.get("ray_address")))
         try:
             wait_ready(rec, time.monotonic() + timeout_s)
             r = httpx.post(self.data["router_url"] + "/workers",

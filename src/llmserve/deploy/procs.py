@@ -48,10 +48,24 @@ class ProcRecord:
         except psutil.Error:
             return None
 
+    @property
+    def on_ray(self) -> bool:
+        """Run by a Ray actor (``up --backend ray``, :mod:`.ray_backend`), maybe on
+        another node: liveness, log and stop go through the actor."""
+        return "ray_actor" in self.extra
+
     def alive(self) -> bool:
+        if self.on_ray:
+            from llmserve.deploy.ray_backend import call
+
+            return bool(call(self.extra, "alive", default=False))
         return self.process() is not None
 
     def log_tail(self, n: int = 30) -> str:
+        if self.on_ray:
+            from llmserve.deploy.ray_backend import call
+
+            return call(self.extra, "log_tail", n, default="")
         try:
             with open(self.log, encoding="utf-8", errors="replace") as f:
                 return "".join(f.readlines()[-n:])
@@ -108,6 +122,10 @@ def wait_ready(rec: ProcRecord, deadline: float, health_path: str = "/health") -
 def stop(rec: ProcRecord, timeout_s: float = 30.0) -> str:
     """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns what happened:
     ``gone`` (was not running), ``stopped`` or ``killed``."""
+    if rec.on_ray:
+        from llmserve.deploy.ray_backend import stop_actor
+
+        return stop_actor(rec.extra, timeout_s)
     p = rec.process()
     if p is None:
         return "gone"
