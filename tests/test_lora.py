@@ -311,3 +311,82 @@ def test_adapter_around_native_gguf_int4_layers(tmp_path):
     # bf16 activations: a few percent off in norm, the same next token almost everywhere
     assert (got - ref).norm() < 0.05 * ref.norm()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_data_parallel_front_loads_adapters_on_every_replica_and_pins_batches(
+        setup, tmp_path):
+    """`--data-parallel-size 2`: a load through the front reaches both replicas (each
+    answers peft's tokens for the adapter when asked directly), a refused load leaves
+    none behind, unload removes it everywhere; the Batch API through the front runs on
+    replica 0, the only one with --batch-dir."""
+    import io
+    import json
+    import time
+
+    import httpx
+    import openai
+
+    from tests.test_server import start_server, stop_server
+
+    root, prompts, ref, tok = setup
+    base = str(root / "base")
+    batch_dir = tmp_path / "batches"
+    server = start_server("--model", base, "--enable-lora", "--max-loras", "2",
+                          "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+                          "--block-size", "4", "--data-parallel-size", "2",
+                          "--batch-dir", str(batch_dir))
+    try:
+        api = server.url + "/v1"
+        replicas = [w["url"] for w in httpx.get(server.url + "/workers").json()["workers"]]
+        assert len(replicas) == 2
+
+        def served(url: str) -> list[str]:
+            return [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+
+        r = httpx.post(api + "/load_lora_adapter",
+                       json={"lora_name": "B", "lora_path": str(root / "B")})
+        assert r.status_code == 200, r.text
+        greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+        for url in replicas:  # each replica itself serves B with peft's tokens
+            assert served(url) == [base, "B"]
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            text = c.completions.create(model="B", prompt=prompts[0], **greedy).choices[0].text
+            assert text == tok.decode(ref["B"][0], skip_special_tokens=True), url
+        front = openai.OpenAI(base_url=api, api_key="x", max_retries=0)  # routed by model
+        assert [m.id for m in front.models.list()] == [base, "B"]
+        text = front.completions.create(model="B", prompt=prompts[1], **greedy).choices[0].text
+        assert text == tok.decode(ref["B"][1], skip_special_tokens=True)
+        bad = httpx.post(api + "/load_lora_adapter",
+                         json={"lora_name": "C", "lora_path": str(root / "missing")})
+        assert bad.status_code == 400, bad.text
+        assert "replica dp0" in bad.json()["error"]["message"]
+        assert "not a directory" in bad.json()["error"]["message"]
+        assert all("C" not in served(url) for url in replicas)
+        assert httpx.post(api + "/unload_lora_adapter",
+                          json={"lora_name": "B"}).status_code == 200
+        assert all(served(url) == [base] for url in replicas)
+        assert httpx.post(api + "/unload_lora_adapter",
+                          json={"lora_name": "B"}).status_code == 404
+
+        c = openai.OpenAI(base_url=api, api_key="x", timeout=120, max_retries=0)
+        body = [json.dumps({"custom_id": f"t{i}", "method": "POST", "url": "/v1/completions",
+                            "body": {"model": base, "prompt": prompts[i], "ignore_eos": True,
+                                     "max_tokens": NEW_TOKENS, "temperature": 0}})
+                for i in range(2)]
+        f = c.files.create(file=("in.jsonl", io.BytesIO("\n".join(body).encode()),
+                                 "application/jsonl"), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                             completion_window="24h")
+        deadline = time.monotonic() + 120
+        while (b := c.batches.retrieve(b.id)).status != "completed":
+            assert b.status in ("validating", "in_progress", "finalizing"), b
+            assert time.monotonic() < deadline, b
+            time.sleep(0.2)
+        out = {x["custom_id"]: x["response"]["body"]["choices"][0]["text"]
+               for x in map(json.loads, c.files.content(b.output_file_id).text.splitlines())}
+        assert out == {f"t{i}": tok.decode(ref[None][i], skip_special_tokens=True)
+                       for i in range(2)}
+        assert f.id in [x.id for x in c.files.list()]
+        assert any(f.id in p.name for p in batch_dir.rglob("*"))  # replica 0's store
+    finally:
+        assert stop_server(server) == 0

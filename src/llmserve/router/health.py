@@ -80,7 +80,7 @@ class HealthChecker:
                     w.load = parse_load(m.text)
             except (httpx.HTTPError, ValueError):
                 pass
-            await self._models(w)
+            await self.refresh_models(w)
             await self._digest(w)
         else:
             n = self._fails.get(w.id, 0) + (
@@ -92,7 +92,7 @@ class HealthChecker:
         if self.state is not None:
             await self.state.health_result(w, ok)
 
-    async def _models(self, w: Worker) -> None:
+    async def refresh_models(self, w: Worker) -> None:
         """Refresh the worker's ``/v1/models`` cards (kept as they were on failure, so
         a worker that needs a key for it stays "serves anything")."""
         try:

@@ -13,7 +13,8 @@ Placement is the router's: the same :class:`~llmserve.router.policies.CacheAware
 (longest cached prefix by the engine's own block hashes, :mod:`llmserve.router.prefix`,
 unless in-flight load is out of balance; a miss goes to the least-loaded replica) and
 the same proxy (retries before the first byte, SSE relay); nothing about routing is
-implemented twice. The layer direction holds: this entrypoint imports the serving
+implemented twice. LoRA loads go to every replica and the Batch API to replica 0
+(:mod:`~llmserve.entrypoints.openai.dp_routes`). The layer direction holds: this entrypoint imports the serving
 plane's pure router package; the router never imports the engine (DESIGN.md section 1).
 vLLM's ``--data-parallel-size`` does the same job with engine-core processes behind its
 API server and a DP coordinator balancing by queue length.
@@ -38,6 +39,7 @@ import threading
 import time
 
 from llmserve.distributed.multiproc import describe_exit
+from llmserve.entrypoints.openai.dp_routes import install_replica_routes, strip_batch_dir
 
 logger = logging.getLogger("llmserve.server")
 LISTENING = re.compile(r"listening on (http://\S+?)(?:\s|$)")
@@ -155,6 +157,7 @@ def _front_app(pool, replicas: list[Replica], args: argparse.Namespace):
         routing, ctype = pool.metrics.render(list(pool.workers.values()))
         return Response(routing.decode() + merge_metrics(pages), media_type=ctype)
 
+    install_replica_routes(app, replicas, pool)  # LoRA to all, Batch API pinned to dp0
     for path, endpoint in (("/health", health), ("/metrics", metrics)):
         app.add_api_route(path, endpoint, methods=["GET"])
         app.router.routes.insert(0, app.router.routes.pop())  # before the router's own
@@ -203,7 +206,9 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         raise SystemExit(0)
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        replicas += [Replica(r, replica_command(argv), env) for r in range(n)]
+        # replica 0 alone keeps --batch-dir: the front pins the Batch API to it
+        replicas += [Replica(r, replica_command(argv if r == 0 else strip_batch_dir(argv)),
+                             env) for r in range(n)]
         _wait_listening(replicas, 300.0)
     except (RuntimeError, SystemExit) as e:
         _stop(replicas)
