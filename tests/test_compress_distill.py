@@ -20,6 +20,7 @@ import transformers
 from llmserve import LLM, SamplingParams
 from llmserve.compress.distill import (
     HiddenProjection,
+    blackbox_samples,
     distill_loss,
     drop_every_other_layer,
     hidden_loss,
@@ -27,7 +28,6 @@ from llmserve.compress.distill import (
 )
 from llmserve.compress.distill_train import (
     DistillOptions,
-    blackbox_samples,
     distill,
     mean_kl,
 )
@@ -202,13 +202,21 @@ def test_drop_every_other_layer_copies_the_teacher():
         assert (student.lm_head.weight is student.model.embed_tokens.weight) == tied
 
 
-def test_written_student_loads_in_llmserve(tiny):
-    o = _opts(tiny, "loads", steps=5)
+@pytest.mark.parametrize("tied", [False, True])
+def test_written_student_loads_in_llmserve(tiny, tied):
+    teacher = tiny["teacher_dir"]
+    if tied:  # as SmolLM2: the LM head is the embedding (not written twice)
+        teacher = str(tiny["root"] / "teacher-tied")
+        make_llama(4, tie_word_embeddings=True).save_pretrained(teacher)
+        save_tokenizer(teacher, VOCAB)
+    o = _opts(tiny, f"loads-{tied}", steps=5, teacher=teacher)
     distill(o)
     with open(os.path.join(o.output, "config.json")) as f:
         assert json.load(f)["num_hidden_layers"] == 2
     assert any(n.endswith(".safetensors") for n in os.listdir(o.output))
     hf = transformers.AutoModelForCausalLM.from_pretrained(o.output, dtype=torch.float32).eval()
+    if tied:
+        assert torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
     prompts = [[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [64]]
     llm = LLM(model=o.output, dtype="float32", kv_cache_memory="8MiB", max_model_len=64)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Knowledge-distillation losses, the hidden-state projection, and layer-dropped students.
+"""Knowledge-distillation losses, the hidden-state projection, layer-dropped students and
+the training samples (the loop is in :mod:`llmserve.compress.distill_train`).
 
 White-box losses compare the next-token distributions of a teacher ``p_T`` and a student
 ``p_S`` at temperature ``tau`` (both ``softmax(logits / tau)``), per token position,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,3 +167,75 @@ def student_from_spec(spec: str, teacher: nn.Module) -> nn.Module:
     if " ".join(spec.lower().replace("-", " ").replace("_", " ").split()) != DROP_EVERY_OTHER:
         raise ValueError(f"--student-from-teacher must be {DROP_EVERY_OTHER!r}, got {spec!r}")
     return drop_every_other_layer(teacher)
+
+
+# ---- training data (o: DistillOptions) ----
+
+def _text(o: Any) -> tuple[str, str]:
+    from llmserve.compress.texts import builtin_text, read_text_file
+
+    if o.data:
+        return read_text_file(o.data, "--data"), f"--data {o.data!r}"
+    return builtin_text("calib"), "the built-in calibration text"
+
+
+def whitebox_samples(tokenizer: Any, o: Any) -> list[list[int]]:
+    """Windows of ``o.seq_len`` tokens of the training text (BOS first when defined)."""
+    from llmserve.compress.texts import token_windows
+    from llmserve.tokenizer import encode_text
+
+    text, where = _text(o)
+    ids = encode_text(tokenizer, text, "--data", add_special_tokens=False)
+    return token_windows(ids, o.seq_len, field=where, bos_token_id=tokenizer.bos_token_id)
+
+
+@torch.no_grad()
+def blackbox_samples(teacher: torch.nn.Module, tokenizer: Any,
+                     o: Any) -> list[tuple[list[int], int]]:
+    """``(prompt + teacher tokens, prompt length)`` per prompt line; the teacher continues
+    greedily to ``o.seq_len`` tokens in all (EOS suppressed: fixed lengths)."""
+    from llmserve.tokenizer import encode_text
+
+    text, where = _text(o)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    room = max(1, o.seq_len // 2 - len(bos))
+    prompts = [bos + encode_text(tokenizer, line, "--data", add_special_tokens=False)[:room]
+               for line in text.splitlines() if line.strip()][:o.max_prompts]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise ValueError(f"{where} has no prompt lines for --mode blackbox")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = []
+    for p in prompts:
+        new = o.seq_len - len(p)
+        ids = teacher.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                               dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, pad_token_id=pad)
+        out.append((ids[0].tolist(), len(p)))
+    return out
+
+
+def sample_order(num_samples: int, position: int, count: int, seed: int) -> list[int]:
+    """Indices of samples ``position .. position + count - 1`` in the stream of epochs,
+    each epoch a permutation seeded by ``seed + epoch``."""
+    out, perms = [], {}
+    for pos in range(position, position + count):
+        epoch = pos // num_samples
+        if epoch not in perms:
+            gen = torch.Generator().manual_seed(seed + epoch)
+            perms[epoch] = torch.randperm(num_samples, generator=gen).tolist()
+        out.append(perms[epoch][pos % num_samples])
+    return out
+
+
+def collate(samples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids [B, L]`` and ``mask [B, L - 1]``: position ``i`` predicts
+    token ``i + 1``, counted when that token is real and not part of the prompt (no
+    attention mask is needed: padding only follows real tokens under causal attention)."""
+    length = max(len(ids) for ids, _ in samples)
+    input_ids = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)
+    for b, (ids, start) in enumerate(samples):
+        input_ids[b, :len(ids)] = torch.tensor(ids)
+        mask[b, max(start - 1, 0):len(ids) - 1] = True
+    return input_ids, mask

@@ -41,11 +41,15 @@ import torch.nn.functional as F
 
 from llmserve.compress.distill import (
     HiddenProjection,
+    blackbox_samples,
     check_loss,
+    collate,
     distill_loss,
     hidden_loss,
+    sample_order,
     student_from_spec,
     token_divergence,
+    whitebox_samples,
 )
 
 MODES = ("whitebox", "blackbox")
@@ -146,76 +150,6 @@ def build_student(spec_or_model: str, teacher: torch.nn.Module, flag: str) -> to
         raise ValueError(f"{flag} {spec_or_model!r} has vocabulary size {vocab_size(student)}"
                          f", the teacher's is {vocab_size(teacher)}; they must share a tokenizer")
     return student
-
-
-def _text(o: DistillOptions) -> tuple[str, str]:
-    from llmserve.compress.texts import builtin_text, read_text_file
-
-    if o.data:
-        return read_text_file(o.data, "--data"), f"--data {o.data!r}"
-    return builtin_text("calib"), "the built-in calibration text"
-
-
-def whitebox_samples(tokenizer: Any, o: DistillOptions) -> list[list[int]]:
-    """Windows of ``o.seq_len`` tokens of the training text (BOS first when defined)."""
-    from llmserve.compress.texts import token_windows
-    from llmserve.tokenizer import encode_text
-
-    text, where = _text(o)
-    ids = encode_text(tokenizer, text, "--data", add_special_tokens=False)
-    return token_windows(ids, o.seq_len, field=where, bos_token_id=tokenizer.bos_token_id)
-
-
-@torch.no_grad()
-def blackbox_samples(teacher: torch.nn.Module, tokenizer: Any,
-                     o: DistillOptions) -> list[tuple[list[int], int]]:
-    """``(prompt + teacher tokens, prompt length)`` per prompt line; the teacher continues
-    greedily to ``o.seq_len`` tokens in all (EOS suppressed: fixed lengths)."""
-    from llmserve.tokenizer import encode_text
-
-    text, where = _text(o)
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    room = max(1, o.seq_len // 2 - len(bos))
-    prompts = [bos + encode_text(tokenizer, line, "--data", add_special_tokens=False)[:room]
-               for line in text.splitlines() if line.strip()][:o.max_prompts]
-    prompts = [p for p in prompts if p]
-    if not prompts:
-        raise ValueError(f"{where} has no prompt lines for --mode blackbox")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = []
-    for p in prompts:
-        new = o.seq_len - len(p)
-        ids = teacher.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                               dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=pad)
-        out.append((ids[0].tolist(), len(p)))
-    return out
-
-
-def sample_order(num_samples: int, position: int, count: int, seed: int) -> list[int]:
-    """Indices of samples ``position .. position + count - 1`` in the stream of epochs,
-    each epoch a permutation seeded by ``seed + epoch``."""
-    out, perms = [], {}
-    for pos in range(position, position + count):
-        epoch = pos // num_samples
-        if epoch not in perms:
-            gen = torch.Generator().manual_seed(seed + epoch)
-            perms[epoch] = torch.randperm(num_samples, generator=gen).tolist()
-        out.append(perms[epoch][pos % num_samples])
-    return out
-
-
-def collate(samples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids [B, L]`` and ``mask [B, L - 1]``: position ``i`` predicts
-    token ``i + 1``, counted when that token is real and not part of the prompt (no
-    attention mask is needed: padding only follows real tokens under causal attention)."""
-    length = max(len(ids) for ids, _ in samples)
-    input_ids = torch.zeros(len(samples), length, dtype=torch.long)
-    mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)
-    for b, (ids, start) in enumerate(samples):
-        input_ids[b, :len(ids)] = torch.tensor(ids)
-        mask[b, max(start - 1, 0):len(ids) - 1] = True
-    return input_ids, mask
 
 
 def micro_loss(student, teacher, projection, input_ids: torch.Tensor, mask: torch.Tensor,
@@ -358,11 +292,29 @@ class DistillResult:
 
 
 def save_student(student, tokenizer: Any, output: str) -> str:
-    """Write ``student`` (float32 safetensors, config) and ``tokenizer`` to ``output``."""
+    """Write ``student`` (``model.safetensors`` in float32, ``config.json``) and
+    ``tokenizer`` to ``output`` (a Hugging Face directory transformers and llmserve load).
+
+    Raises:
+        ValueError: ``output`` is a file.
+    """
     if os.path.isfile(output):
         raise ValueError(f"--output {output!r} is a file; pass a directory")
+    from safetensors.torch import save_file
+
     os.makedirs(output, exist_ok=True)
-    student.save_pretrained(output, safe_serialization=True)
+    # written by hand: save_pretrained refuses a model transformers read from a GGUF
+    tied = bool(getattr(student.config, "tie_word_embeddings", False))
+    tensors = {name: t.detach().float().contiguous() for name, t in student.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
+    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    config = student.config.to_dict()
+    config["architectures"] = [type(student).__name__]
+    config["torch_dtype"] = "float32"
+    for key in ("dtype", "quantization_config", "_name_or_path"):
+        config.pop(key, None)
+    with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
     tokenizer.save_pretrained(output)
     return output
 
