@@ -262,7 +262,8 @@ def test_bad_inputs(tiny, capsys):
            (dict(temperature=0.0), "--temperature"), (dict(teacher=None), "--teacher"),
            (dict(jsd_beta=1.5), "--jsd-beta"), (dict(mode="greybox"), "--mode"),
            (dict(teacher=str(tiny["root"] / "missing")), "--teacher"),
-           (dict(student_from_teacher="keep every layer"), "--student-from-teacher")]
+           (dict(student_from_teacher="keep every layer"), "--student-from-teacher"),
+           (dict(via=("keep every layer",)), "--via"), (dict(batch_size=0), "--batch-size")]
     small_vocab = str(tiny["root"] / "vocab96")
     make_llama(2, vocab=96).save_pretrained(small_vocab)
     save_tokenizer(small_vocab, 96)

@@ -158,14 +158,16 @@ def drop_every_other_layer(teacher: nn.Module) -> nn.Module:
     return student
 
 
-def student_from_spec(spec: str, teacher: nn.Module) -> nn.Module:
-    """Build a student from ``teacher`` by a spec: only ``"drop every other layer"``.
+def student_from_spec(spec: str, teacher: nn.Module,
+                      flag: str = "--student-from-teacher") -> nn.Module:
+    """Build a student from ``teacher`` by a spec: only ``"drop every other layer"``
+    (case, ``-`` / ``_`` and extra spaces ignored).
 
     Raises:
-        ValueError: an unknown spec (naming ``--student-from-teacher``).
+        ValueError: an unknown spec (naming ``flag``).
     """
     if " ".join(spec.lower().replace("-", " ").replace("_", " ").split()) != DROP_EVERY_OTHER:
-        raise ValueError(f"--student-from-teacher must be {DROP_EVERY_OTHER!r}, got {spec!r}")
+        raise ValueError(f"{flag} must be a model or {DROP_EVERY_OTHER!r}, got {spec!r}")
     return drop_every_other_layer(teacher)
 
 

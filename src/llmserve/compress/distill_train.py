@@ -145,7 +145,7 @@ def build_student(spec_or_model: str, teacher: torch.nn.Module, flag: str) -> to
     if os.path.exists(spec_or_model) or "layer" not in spec_or_model.lower():
         student, _ = _load(spec_or_model, flag)
     else:
-        student = student_from_spec(spec_or_model, teacher)
+        student = student_from_spec(spec_or_model, teacher, flag)
     if vocab_size(student) != vocab_size(teacher):
         raise ValueError(f"{flag} {spec_or_model!r} has vocabulary size {vocab_size(student)}"
                          f", the teacher's is {vocab_size(teacher)}; they must share a tokenizer")
