@@ -165,22 +165,36 @@ def test_distillation_lowers_kl_on_held_out_tokens(tiny, loss):
 
 
 def test_resume_reproduces_the_loss_curve(tiny, monkeypatch):
+    import llmserve.compress.distill_train as train_mod
+
     kw = dict(steps=12, save_every=5, grad_accum=2, batch_size=3, hidden_loss_weight=0.5,
               loss="jsd", jsd_beta=0.3)
     full = distill(_opts(tiny, "resume-full", **kw))
-    part = distill(_opts(tiny, "resume-part", **{**kw, "steps": 8}))  # "killed" after step 8
-    assert part.loss_history == full.loss_history[:8]
-    import llmserve.compress.distill_train as train_mod
-
     calls = []
     real = train_mod.micro_loss
+
+    def killed_in_step_9(*args):
+        calls.append(1)
+        if len(calls) == 17:
+            raise KeyboardInterrupt  # as Ctrl-C in step 9: the checkpoint is from step 5
+        return real(*args)
+
+    monkeypatch.setattr(train_mod, "micro_loss", killed_in_step_9)
+    with pytest.raises(KeyboardInterrupt):
+        distill(_opts(tiny, "resume-part", **kw))
+    calls.clear()
     monkeypatch.setattr(train_mod, "micro_loss", lambda *a: calls.append(1) or real(*a))
-    resumed = distill(_opts(tiny, "resume-part", **kw, resume=True))  # from step 5
+    resumed = distill(_opts(tiny, "resume-part", **kw, resume=True))
     assert len(calls) == (12 - 5) * 2  # it did continue: 7 steps of 2 micro-batches
     assert resumed.loss_history == full.loss_history  # bitwise
     a = transformers.AutoModelForCausalLM.from_pretrained(full.output).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(resumed.output).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    calls.clear()  # a finished run of as many steps is reused; more steps extend it
+    assert distill(_opts(tiny, "resume-part", **kw, resume=True)).loss_history == \
+        full.loss_history and not calls
+    longer = distill(_opts(tiny, "resume-part", **{**kw, "steps": 14}, resume=True))
+    assert longer.loss_history[:12] == full.loss_history and len(calls) == 2 * 2
     with pytest.raises(ValueError, match="--lr"):
         distill(_opts(tiny, "resume-part", **{**kw, "steps": 20, "lr": 1e-3}, resume=True))
 

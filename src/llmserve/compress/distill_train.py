@@ -225,8 +225,10 @@ def _as_tuple(x):
 def train(student, teacher, samples: list[tuple[list[int], int]], o: DistillOptions,
           ckpt_path: str | None = None) -> list[float]:
     """Run ``o.steps`` optimizer steps on ``student`` in place; returns the loss of
-    every step (mean over its ``o.grad_accum`` micro-batches). With ``o.resume`` and an
-    existing ``ckpt_path`` it continues from there (the curve so far included)."""
+    every step (mean over its ``o.grad_accum`` micro-batches). With ``o.save_every`` it
+    writes ``ckpt_path`` every that many steps and after the last one; with ``o.resume``
+    and an existing ``ckpt_path`` it continues from there (the curve so far included;
+    a larger ``o.steps`` extends a finished run)."""
     from tqdm import tqdm
 
     torch.manual_seed(o.seed)
@@ -263,7 +265,7 @@ def train(student, teacher, samples: list[tuple[list[int], int]], o: DistillOpti
         history.append(total)
         bar.update(1)
         bar.set_postfix(loss=f"{total:.4f}")
-        if ckpt_path and o.save_every and step % o.save_every == 0 and step < o.steps:
+        if ckpt_path and o.save_every and (step % o.save_every == 0 or step == o.steps):
             state = _state(student, projection, opt, step, position, history)
             state["options"] = dataclasses.asdict(o)
             save_checkpoint(ckpt_path, state)
