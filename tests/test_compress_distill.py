@@ -111,7 +111,7 @@ def test_losses_equal_formulas(tau):
     assert math.isclose(float(distill_loss(s, t, "fkl", tau)),
                         tau ** 2 * float((pt * (pt.log() - ps.log())).sum(-1).mean()),
                         rel_tol=1e-5)
-    for beta in (0.1, 0.5, 0.9):  # GKD eq. 2, from probabilities
+    for beta in (0.1, 0.5, 0.9):  # GKD generalized JSD, from probabilities
         m = beta * pt + (1 - beta) * ps
         jsd = beta * (pt * (pt / m).log()).sum(-1) + (1 - beta) * (ps * (ps / m).log()).sum(-1)
         assert math.isclose(float(distill_loss(s, t, "jsd", tau, beta)),

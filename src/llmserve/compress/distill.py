@@ -12,13 +12,13 @@ Neural Network", section 2)::
     jsd  generalized Jensen-Shannon, beta in [0, 1], M = beta p_T + (1 - beta) p_S:
          JSD_beta = beta KL(p_T || M) + (1 - beta) KL(p_S || M)
          (GKD: Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
-         from Self-Generated Mistakes", eq. 2; TRL's ``GKDTrainer.generalized_jsd_loss``).
+         from Self-Generated Mistakes"; TRL's ``GKDTrainer.generalized_jsd_loss``).
          JSD_beta / beta -> fkl as beta -> 0 and JSD_beta / (1 - beta) -> rkl as
          beta -> 1; at exactly beta = 0 / 1 (where JSD_beta is 0) this returns fkl / rkl,
          as TRL does. beta = 0.5 is the symmetric JSD.
 
-All KLs are in nats. Optional hidden-state loss (TinyBERT: Jiao et al. 2020, eq. 7):
-``MSE(h_S W + b, h_T)`` through one learned :class:`HiddenProjection` shared by the
+All KLs are in nats. Optional hidden-state loss (TinyBERT: Jiao et al. 2020, "TinyBERT:
+Distilling BERT for Natural Language Understanding"): ``MSE(h_S W + b, h_T)`` through one learned :class:`HiddenProjection` shared by the
 matched layers (student layer ``j`` of ``L_S`` <-> teacher layer ``round(j L_T / L_S)``).
 """
 
