@@ -64,6 +64,34 @@ def qwen15_gguf() -> str:
     return fetch_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
 
 
+@pytest.fixture(scope="module")
+def gguf_parsed_once():
+    """While the module runs, ``gguf.GGUFReader`` returns one reader per file.
+
+    transformers builds a new reader for the config, the tokenizer and the weights of
+    one GGUF (``load_gguf_checkpoint``). Each one parses every metadata field again,
+    which takes about 27 s here for Qwen's 151k-token vocabulary. With this fixture
+    the same reader object gives the same values to all three, so the oracle's
+    numbers do not change.
+    """
+    import gguf
+
+    original, cache = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.abspath(os.fspath(path)), mode)
+        if key not in cache:
+            cache[key] = original(path, mode)
+        return cache[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+        cache.clear()
+
+
 @pytest.fixture(scope="session")
 def llm_fp32():
     """Our engine on the default model, float32, a 256 MiB KV cache."""

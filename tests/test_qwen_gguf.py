@@ -47,7 +47,7 @@ def _prompt_ids(tokenizer, names):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(qwen05_gguf):
+def hf_tokenizer(qwen05_gguf, gguf_parsed_once):
     from transformers import AutoTokenizer
 
     d, f = _hf_dir_file(qwen05_gguf)
