@@ -294,31 +294,11 @@ class DistillResult:
 
 
 def save_student(student, tokenizer: Any, output: str) -> str:
-    """Write ``student`` (``model.safetensors`` in float32, ``config.json``) and
-    ``tokenizer`` to ``output`` (a Hugging Face directory transformers and llmserve load).
+    """Write ``student`` and ``tokenizer`` as a Hugging Face directory
+    (:func:`llmserve.compress.hf_dir.save_hf_dir`)."""
+    from llmserve.compress.hf_dir import save_hf_dir
 
-    Raises:
-        ValueError: ``output`` is a file.
-    """
-    if os.path.isfile(output):
-        raise ValueError(f"--output {output!r} is a file; pass a directory")
-    from safetensors.torch import save_file
-
-    os.makedirs(output, exist_ok=True)
-    # written by hand: save_pretrained refuses a model transformers read from a GGUF
-    tied = bool(getattr(student.config, "tie_word_embeddings", False))
-    tensors = {name: t.detach().float().contiguous() for name, t in student.state_dict().items()
-               if not (tied and name == "lm_head.weight")}
-    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    config = student.config.to_dict()
-    config["architectures"] = [type(student).__name__]
-    config["torch_dtype"] = "float32"
-    for key in ("dtype", "quantization_config", "_name_or_path"):
-        config.pop(key, None)
-    with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(output)
-    return output
+    return save_hf_dir(student, tokenizer, output)
 
 
 def _eval(model: str, teacher: str, o: DistillOptions) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def capture_layer_inputs(model: nn.Module, input_ids: torch.Tensor,
     return store["hidden"], kwargs
 
 
-def _run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     out = layer(hidden, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -249,12 +249,12 @@ def quantize_model(model: nn.Module, opts: QuantizeOptions,
         if hidden is not None:
             stats, handles = _record(layer, opts.method)
             try:
-                _run_layer(layer, hidden, kwargs)
+                run_layer(layer, hidden, kwargs)
             finally:
                 for h in handles:
                     h.remove()
         result.weights.update(quantize_layer(layer, stats, opts, f"model.layers.{i}"))
         del stats
         if hidden is not None:
-            hidden = _run_layer(layer, hidden, kwargs)
+            hidden = run_layer(layer, hidden, kwargs)
     return result

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "llmserve.entrypoints.router_cmd", "llmserve.entrypoints.tune_cmd",
                      "llmserve.deploy.cli", "llmserve.registry.cli",
                      "llmserve.entrypoints.batch.batch_cmd", "llmserve.compress.cli",
-                     "llmserve.compress.distill_cli", "llmserve.entrypoints.export_cmd"):
+                     "llmserve.compress.distill_cli", "llmserve.compress.prune_cli",
+                     "llmserve.entrypoints.export_cmd"):
         try:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
