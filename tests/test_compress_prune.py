@@ -114,7 +114,7 @@ def test_written_checkpoint_loads_in_transformers_and_llmserve(tiny_dir):
 
 
 @pytest.mark.model
-def test_wanda_beats_magnitude_in_perplexity_on_the_default_model(tmp_path):
+def test_wanda_beats_magnitude_in_perplexity_on_the_default_model(tmp_path, gguf_parsed_once):
     """2:4 on SmolLM2-135M, 4 calibration windows of 128 tokens of the built-in
     calibration text; perplexity by ``llmserve eval --quick`` on the written checkpoints
     (the built-in evaluation text, apart from the calibration text)."""
