@@ -92,6 +92,24 @@ def gguf_parsed_once():
         cache.clear()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real two-node Ray cluster on loopback (a head and a second raylet, one CPU
+    each), this process connected to it; shut down after the module."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, logging_level="WARNING")
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
 @pytest.fixture(scope="session")
 def llm_fp32():
     """Our engine on the default model, float32, a 256 MiB KV cache."""

@@ -27,20 +27,13 @@ from llmserve.compress.prune import (
 from llmserve.compress.prune_cli import prune_checkpoint
 from llmserve.entrypoints.cli import main
 from tests.quant_checkpoints import hf_greedy, save_tokenizer
+from tests.test_compress_distill import make_llama as _make_llama
 
 VOCAB = 128
 
 
-def make_llama(seed: int = 0):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    return model
+def make_llama():
+    return _make_llama(layers=2, vocab=VOCAB)
 
 
 def linears(model):

@@ -34,22 +34,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           env=env)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    ray.init(address=c.address, logging_level="WARNING")
-    c.wait_for_nodes()
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-
-
-def test_up_places_one_worker_per_ray_node_and_down_removes_them(cluster, tmp_path):
+def test_up_places_one_worker_per_ray_node_and_down_removes_them(ray_cluster, tmp_path):
     from llmserve import LLM, SamplingParams
 
     key_id, secret = new_secret("all")
@@ -71,7 +56,7 @@ def test_up_places_one_worker_per_ray_node_and_down_removes_them(cluster, tmp_pa
     no_cluster = cli("up", str(spec), "--state-dir", state, "--backend", "ray")
     assert no_cluster.returncode == 2 and "RAY_ADDRESS" in no_cluster.stderr
     up = cli("up", str(spec), "--state-dir", state, "--backend", "ray", "--ray-address",
-             cluster.address, timeout=600)
+             ray_cluster.address, timeout=600)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         status = json.loads(cli("status", "--state-dir", state, "--json").stdout)

@@ -33,20 +33,14 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
+def cluster(ray_cluster):
+    """The two-node cluster, found by RAY_ADDRESS, ranks placed one per node."""
     saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "LLMSERVE_RAY_PLACEMENT_STRATEGY")}
-    os.environ.update(RAY_ADDRESS=c.address, LLMSERVE_RAY_PLACEMENT_STRATEGY="STRICT_SPREAD")
-    ray.init(address=c.address, logging_level="WARNING")
-    c.wait_for_nodes()
+    os.environ.update(RAY_ADDRESS=ray_cluster.address,
+                      LLMSERVE_RAY_PLACEMENT_STRATEGY="STRICT_SPREAD")
     try:
-        yield c
+        yield ray_cluster
     finally:
-        ray.shutdown()
-        c.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -122,8 +122,10 @@ def _fold(producer: nn.Module, s: torch.Tensor) -> bool:
     return True
 
 
-def _record(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
-    """Hooks on each group's first linear: its inputs (AWQ), Hessian (GPTQ) or max |x|."""
+def record_inputs(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
+    """Hooks on each group's first linear: its inputs (``awq``), Hessian (``gptq``, also
+    SparseGPT's), ``sum x_j^2`` over tokens (``sqsum``, Wanda's) or max ``|x|``
+    (``smoothquant``); returns the stats dict the hooks fill and their handles."""
     stats: dict[str, Any] = {}
     handles = []
     for names, _ in GROUPS:
@@ -135,6 +137,9 @@ def _record(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
                 stats.setdefault(key, GPTQ(k)).add_batch(x)
             elif method == "awq":
                 stats.setdefault(key, []).append(x)
+            elif method == "sqsum":
+                sq = (x.double() ** 2).sum(0)
+                stats[key] = stats[key] + sq if key in stats else sq
             else:
                 amax = x.abs().amax(0)
                 stats[key] = torch.maximum(stats[key], amax) if key in stats else amax
@@ -247,7 +252,7 @@ def quantize_model(model: nn.Module, opts: QuantizeOptions,
     for i, layer in enumerate(bar):
         stats: dict[str, Any] = {}
         if hidden is not None:
-            stats, handles = _record(layer, opts.method)
+            stats, handles = record_inputs(layer, opts.method)
             try:
                 run_layer(layer, hidden, kwargs)
             finally:

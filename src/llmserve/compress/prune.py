@@ -35,6 +35,7 @@ from llmserve.compress.pipeline import (
     GROUPS,
     SUPPORTED_ARCHITECTURES,
     capture_layer_inputs,
+    record_inputs,
     run_layer,
 )
 
@@ -151,24 +152,6 @@ def prune_sparsegpt(weight: torch.Tensor, hessian: GPTQ, pattern: str, sparsity:
     return W.to(weight.dtype)
 
 
-def _record(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[Any]]:
-    """Hooks on each group's first linear: Wanda's ``sum x_j^2`` or SparseGPT's Hessian."""
-    stats: dict[str, Any] = {}
-    handles = []
-    for names, _ in GROUPS:
-        first = layer.get_submodule(names[0])
-
-        def hook(_m, args, _out, key=names[0], k=first.in_features):
-            x = args[0].detach().reshape(-1, k).float()
-            if method == "sparsegpt":
-                stats.setdefault(key, GPTQ(k)).add_batch(x)
-            else:
-                sq = (x.double() ** 2).sum(0)
-                stats[key] = stats[key] + sq if key in stats else sq
-        handles.append(first.register_forward_hook(hook))
-    return stats, handles
-
-
 def prune_layer(layer: nn.Module, stats: dict[str, Any], o: PruneOptions) -> None:
     """Prune every linear of one decoder layer in place."""
     for names, _ in GROUPS:
@@ -214,7 +197,8 @@ def prune_model(model: nn.Module, o: PruneOptions, calib: torch.Tensor | None,
                       disable=not progress):
         stats: dict[str, Any] = {}
         if hidden is not None:
-            stats, handles = _record(layer, o.method)
+            stats, handles = record_inputs(layer, "gptq" if o.method == "sparsegpt"
+                                           else "sqsum")
             try:
                 run_layer(layer, hidden, kwargs)
             finally:

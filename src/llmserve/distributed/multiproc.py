@@ -95,7 +95,35 @@ def _worker_entry(target: Callable[[int, dist.Store, Any], None], rank: int, wor
     os._exit(0)
 
 
-class WorkerProcesses:
+class RankFailures:
+    """The first failure seen among a launcher's ranks (its monitor or ``wait_for``
+    records it): shared by :class:`WorkerProcesses` and
+    :class:`~llmserve.distributed.ray_executor.RayWorkers`, which define ``shutdown``."""
+
+    _failure: RankFailedError | None = None
+
+    def check(self) -> None:
+        """Raise the recorded failure, if any (the driver calls it around each step)."""
+        if self._failure is not None:
+            raise self._failure
+
+    def failure(self, wait_s: float = 0.0) -> RankFailedError | None:
+        """The recorded failure, waiting up to ``wait_s`` for the monitor to see one."""
+        deadline = time.monotonic() + wait_s
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return self._failure
+
+    def _fail(self, err: RankFailedError) -> RankFailedError:
+        self._failure = err
+        self.shutdown()
+        return err
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class WorkerProcesses(RankFailures):
     """Ranks ``1 .. world_size - 1`` of one engine, spawned on this machine.
 
     Args:
@@ -179,22 +207,6 @@ class WorkerProcesses:
             self._failure = err
         logger.error("%s; the engine stops", err)
 
-    def check(self) -> None:
-        """Raise the recorded failure, if any (the driver calls it around each step)."""
-        if self._failure is not None:
-            raise self._failure
-
-    def failure(self, wait_s: float = 0.0) -> RankFailedError | None:
-        """The recorded failure, waiting up to ``wait_s`` for the monitor to see one."""
-        deadline = time.monotonic() + wait_s
-        while self._failure is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return self._failure
-
-    def _fail(self, err: RankFailedError) -> RankFailedError:
-        self._failure = err
-        self.shutdown()
-        return err
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker (terminate, then kill what is left)."""

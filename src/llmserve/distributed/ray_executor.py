@@ -36,7 +36,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from llmserve.distributed.multiproc import POLL_S, RankFailedError, join_and_run
+from llmserve.distributed.multiproc import (
+    POLL_S,
+    RankFailedError,
+    RankFailures,
+    join_and_run,
+)
 
 logger = logging.getLogger("llmserve.distributed")
 
@@ -52,7 +57,7 @@ def _import_ray():
     return ray
 
 
-class RayWorkers:
+class RayWorkers(RankFailures):
     """Ranks ``1 .. world_size - 1`` of one engine as Ray tasks (the interface of
     :class:`~llmserve.distributed.multiproc.WorkerProcesses`).
 
@@ -185,22 +190,6 @@ class RayWorkers:
             self._failure = err
         logger.error("%s; the engine stops", err)
 
-    def check(self) -> None:
-        """Raise the recorded failure, if any (the driver calls it around each step)."""
-        if self._failure is not None:
-            raise self._failure
-
-    def failure(self, wait_s: float = 0.0) -> RankFailedError | None:
-        """The recorded failure, waiting up to ``wait_s`` for the monitor to see one."""
-        deadline = time.monotonic() + wait_s
-        while self._failure is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return self._failure
-
-    def _fail(self, err: RankFailedError) -> RankFailedError:
-        self._failure = err
-        self.shutdown()
-        return err
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every task (force-cancel: its worker process is killed), free the
