@@ -218,6 +218,42 @@ def quantize_layer(layer: nn.Module, stats: dict[str, Any], opts: QuantizeOption
     return out
 
 
+def check_architecture(model: nn.Module, tool: str) -> None:
+    """Raises ValueError unless ``model`` is one of :data:`SUPPORTED_ARCHITECTURES`."""
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"llmserve {tool} supports {list(SUPPORTED_ARCHITECTURES)}, "
+                         f"got {arch!r}")
+
+
+def sequential_layers(model: nn.Module, calib: torch.Tensor | None, record: str | None,
+                      apply, desc: str, progress: bool = True) -> None:
+    """The sequential pass over the decoder layers (module docstring): with ``record``
+    (a :func:`record_inputs` stat) each layer's inputs are recorded on the float layer,
+    then ``apply(index, layer, stats)`` changes it, and its output feeds the next layer;
+    without, ``apply`` runs on each layer with empty stats and no forward pass."""
+    from tqdm import tqdm
+
+    model.eval()
+    hidden = kwargs = None
+    if record is not None:
+        hidden, kwargs = capture_layer_inputs(model, calib)
+    for i, layer in enumerate(tqdm(model.model.layers, desc=desc, unit="layer",
+                                   disable=not progress)):
+        stats: dict[str, Any] = {}
+        if hidden is not None:
+            stats, handles = record_inputs(layer, record)
+            try:
+                run_layer(layer, hidden, kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+        apply(i, layer, stats)
+        del stats
+        if hidden is not None:
+            hidden = run_layer(layer, hidden, kwargs)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, opts: QuantizeOptions,
                    calib: torch.Tensor | None, progress: bool = True) -> QuantizedModel:
@@ -232,34 +268,15 @@ def quantize_model(model: nn.Module, opts: QuantizeOptions,
     Raises:
         ValueError: bad options, an unsupported architecture, or no calibration data.
     """
-    from tqdm import tqdm
-
     check_options(opts)
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"llmserve quantize supports {list(SUPPORTED_ARCHITECTURES)}, "
-                         f"got {arch!r}")
+    check_architecture(model, "quantize")
     if calib is None and opts.method != "rtn":
         raise ValueError(f"--method {opts.method} needs calibration data")
-    model.eval()
     result = QuantizedModel(model, opts)
-    layers = model.model.layers
-    hidden = kwargs = None
-    if opts.method != "rtn":
-        hidden, kwargs = capture_layer_inputs(model, calib)
-    bar = tqdm(layers, desc=f"quantize {opts.method} w{opts.bits}", unit="layer",
-               disable=not progress)
-    for i, layer in enumerate(bar):
-        stats: dict[str, Any] = {}
-        if hidden is not None:
-            stats, handles = record_inputs(layer, opts.method)
-            try:
-                run_layer(layer, hidden, kwargs)
-            finally:
-                for h in handles:
-                    h.remove()
+
+    def apply(i: int, layer: nn.Module, stats: dict[str, Any]) -> None:
         result.weights.update(quantize_layer(layer, stats, opts, f"model.layers.{i}"))
-        del stats
-        if hidden is not None:
-            hidden = run_layer(layer, hidden, kwargs)
+
+    sequential_layers(model, calib, None if opts.method == "rtn" else opts.method, apply,
+                      f"quantize {opts.method} w{opts.bits}", progress)
     return result

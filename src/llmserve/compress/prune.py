@@ -31,13 +31,7 @@ import torch
 from torch import nn
 
 from llmserve.compress.gptq import GPTQ
-from llmserve.compress.pipeline import (
-    GROUPS,
-    SUPPORTED_ARCHITECTURES,
-    capture_layer_inputs,
-    record_inputs,
-    run_layer,
-)
+from llmserve.compress.pipeline import GROUPS, check_architecture, sequential_layers
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 PATTERNS = ("2:4", "unstructured")
@@ -180,33 +174,13 @@ def prune_model(model: nn.Module, o: PruneOptions, calib: torch.Tensor | None,
     Raises:
         ValueError: bad options, an unsupported architecture, no calibration data.
     """
-    from tqdm import tqdm
-
     check_options(o)
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"llmserve prune supports {list(SUPPORTED_ARCHITECTURES)}, "
-                         f"got {arch!r}")
+    check_architecture(model, "prune")
     if calib is None and o.method != "magnitude":
         raise ValueError(f"--method {o.method} needs calibration data")
-    model.eval()
-    hidden = kwargs = None
-    if o.method != "magnitude":
-        hidden, kwargs = capture_layer_inputs(model, calib)
-    for layer in tqdm(model.model.layers, desc=f"prune {o.method} {o.pattern}", unit="layer",
-                      disable=not progress):
-        stats: dict[str, Any] = {}
-        if hidden is not None:
-            stats, handles = record_inputs(layer, "gptq" if o.method == "sparsegpt"
-                                           else "sqsum")
-            try:
-                run_layer(layer, hidden, kwargs)
-            finally:
-                for h in handles:
-                    h.remove()
-        prune_layer(layer, stats, o)
-        if hidden is not None:
-            hidden = run_layer(layer, hidden, kwargs)
+    record = {"magnitude": None, "wanda": "sqsum", "sparsegpt": "gptq"}[o.method]
+    sequential_layers(model, calib, record, lambda _i, layer, stats: prune_layer(layer, stats, o),
+                      f"prune {o.method} {o.pattern}", progress)
     return linear_sparsity(model)
 
 
