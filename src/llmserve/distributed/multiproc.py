@@ -122,6 +122,38 @@ class RankFailures:
     def shutdown(self) -> None:
         raise NotImplementedError
 
+    def wait_for(self, stage: str, timeout_s: float | None = None) -> None:
+        """Block until every worker rank has set ``"<stage>/<rank>"`` in ``self.store``.
+
+        Raises:
+            RankFailedError: a rank reported an error, ended, or missed the timeout.
+        """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pending = set(self._ranks())
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([f"error/{rank}"]):
+                    cause = self.store.get(f"error/{rank}").decode(errors="replace")
+                    raise self._fail(RankFailedError(rank, f"failed to start: {cause}"))
+                if self.store.check([f"{stage}/{rank}"]):
+                    pending.discard(rank)
+                elif (why := self._exit_cause(rank)) is not None:
+                    raise self._fail(RankFailedError(rank, f"{why} before it was {stage}"))
+            if pending and time.monotonic() > deadline:
+                raise self._fail(RankFailedError(
+                    min(pending), f"was not {stage} within the start-up timeout of "
+                                  f"{limit:g} s (ranks not {stage}: {sorted(pending)})"))
+            if pending:
+                time.sleep(POLL_S)
+
+    def _ranks(self) -> list[int]:
+        raise NotImplementedError
+
+    def _exit_cause(self, rank: int) -> str | None:
+        """Why ``rank`` has ended, in words; None while it runs."""
+        raise NotImplementedError
+
 
 class WorkerProcesses(RankFailures):
     """Ranks ``1 .. world_size - 1`` of one engine, spawned on this machine.
@@ -162,33 +194,15 @@ class WorkerProcesses(RankFailures):
         """World rank -> process id of every worker."""
         return {r: p.pid for r, p in self.procs.items()}
 
-    def wait_for(self, stage: str, timeout_s: float | None = None) -> None:
-        """Block until every worker has set ``"<stage>/<rank>"`` in the store.
+    def _ranks(self) -> list[int]:
+        return list(self.procs)
 
-        Raises:
-            RankFailedError: a worker reported an error, exited, or missed the timeout.
-        """
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        pending = set(self.procs)
-        while pending:
-            for rank in sorted(pending):
-                if self.store.check([f"error/{rank}"]):
-                    cause = self.store.get(f"error/{rank}").decode(errors="replace")
-                    raise self._fail(RankFailedError(rank, f"failed to start: {cause}"))
-                if self.store.check([f"{stage}/{rank}"]):
-                    pending.discard(rank)
-                elif not self.procs[rank].is_alive():
-                    self.procs[rank].join(1)
-                    raise self._fail(RankFailedError(
-                        rank, f"{describe_exit(self.procs[rank].exitcode)} before it was "
-                              f"{stage}"))
-            if pending and time.monotonic() > deadline:
-                raise self._fail(RankFailedError(
-                    min(pending), f"was not {stage} within the start-up timeout of "
-                                  f"{limit:g} s (ranks not {stage}: {sorted(pending)})"))
-            if pending:
-                time.sleep(POLL_S)
+    def _exit_cause(self, rank: int) -> str | None:
+        p = self.procs[rank]
+        if p.is_alive():
+            return None
+        p.join(1)
+        return describe_exit(p.exitcode)
 
     def start_monitor(self) -> None:
         """Watch the workers from a thread: the first exit is recorded as the failure

@@ -30,14 +30,12 @@ import datetime
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from llmserve.distributed.multiproc import (
-    POLL_S,
     RankFailedError,
     RankFailures,
     join_and_run,
@@ -146,31 +144,11 @@ class RayWorkers(RankFailures):
         except Exception as e:  # WorkerCrashedError, NodeDiedError, TaskCancelledError ...
             return f"ended: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    def wait_for(self, stage: str, timeout_s: float | None = None) -> None:
-        """Block until every rank has set ``"<stage>/<rank>"`` in the store.
+    def _ranks(self) -> list[int]:
+        return list(self.refs)
 
-        Raises:
-            RankFailedError: a rank reported an error, its task ended, or the timeout.
-        """
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        pending = set(self.refs)
-        while pending:
-            for rank in sorted(pending):
-                if self.store.check([f"error/{rank}"]):
-                    cause = self.store.get(f"error/{rank}").decode(errors="replace")
-                    raise self._fail(RankFailedError(rank, f"failed to start: {cause}"))
-                if self.store.check([f"{stage}/{rank}"]):
-                    pending.discard(rank)
-                elif self._ended(rank):
-                    raise self._fail(RankFailedError(
-                        rank, f"{self._cause(rank)} before it was {stage}"))
-            if pending and time.monotonic() > deadline:
-                raise self._fail(RankFailedError(
-                    min(pending), f"was not {stage} within the start-up timeout of "
-                                  f"{limit:g} s (ranks not {stage}: {sorted(pending)})"))
-            if pending:
-                time.sleep(POLL_S)
+    def _exit_cause(self, rank: int) -> str | None:
+        return self._cause(rank) if self._ended(rank) else None
 
     def start_monitor(self) -> None:
         """Watch the tasks from a thread: the first to end is the failure :meth:`check`
