@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.layers.moe import FusedMoE
 from llmserve.layers.quantization.base import UnquantizedLinearMethod
 
 CHUNK_ROWS = 16
@@ -78,9 +79,11 @@ class BatchInvariantWeight(torch.Tensor):
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switch a loaded model's dense matmuls (linear layers, LM head) to
+    """Switch a loaded model's dense matmuls (linear layers, MoE experts, LM head) to
     :func:`chunked_linear`. Packed GGUF layers are row-invariant already."""
     for module in model.modules():
+        if isinstance(module, FusedMoE):  # an expert's rows: the tokens routed to it
+            module.linear = chunked_linear
         if type(getattr(module, "quant_method", None)) is UnquantizedLinearMethod:
             module.quant_method = BatchInvariantLinearMethod()
             module.__dict__.pop("_matmul_fn", None)

@@ -70,7 +70,7 @@ class ExpertParallelFusedMoE(FusedMoE):
         # another rank's expert -> the id one past the last local one (rows of zeros)
         local_ids = local_ids.masked_fill(remote, self.num_local_experts)
         partial = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                                local_ids, self.act_fn.forward)
+                                local_ids, self.act_fn.forward, self.linear)
         return self.ep_group.all_reduce(partial)
 
     def weight_loader(self, param, loaded_weight: torch.Tensor | QuantizedTensor,

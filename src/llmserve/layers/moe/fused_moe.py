@@ -55,7 +55,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, l
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  act_fn: Callable[[torch.Tensor], torch.Tensor],
+                  linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t])`` for each token.
 
     Args:
@@ -69,6 +70,9 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
             ``w13.shape[0]`` (one past the last) marks an expert held by another rank
             (expert parallelism): its rows are zero and come last in a token's sum.
         act_fn: ``[n, 2 * intermediate_size] -> [n, intermediate_size]`` (SwiGLU).
+        linear: ``(x [n, K], weight [N, K]) -> [n, N]``; ``F.linear``, or in
+            ``--deterministic`` mode ``batch_invariant.chunked_linear`` (an expert's row
+            count ``n`` varies with the batch, and oneDNN's kernel with it).
 
     Returns:
         ``[num_tokens, hidden_size]`` in ``hidden_states.dtype``.
@@ -91,7 +95,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
             continue
         end = start + count
         x = hidden_states.index_select(0, token_ids[start:end])  # [count, hidden_size]
-        y = F.linear(act_fn(F.linear(x, w13[expert])), w2[expert])
+        y = linear(act_fn(linear(x, w13[expert])), w2[expert])
         expert_out[start:end] = y * weights[start:end, None]
         start = end
     # combine by gathers, not index_add_ (which runs a thread pool even for one row): each
@@ -142,12 +146,13 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
             requires_grad=False)
         self.act_fn = get_act_and_mul(hidden_act)
+        self.linear = F.linear  # the experts' matmul (fused_experts' ``linear``)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden_size]``, weights/ids ``[T, top_k]`` -> ``[T, hidden_size]``."""
         return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                             topk_ids, self.act_fn.forward)
+                             topk_ids, self.act_fn.forward, self.linear)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedTensor,
                       shard_id: tuple[int, str]) -> None:
