@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import FULL, QUICK, ROOT, cpu_name, run, summarize  # noqa: E402
 from llmserve.benchmarks.peers import LLMServeContestant  # noqa: E402
+from llmserve.loader import load_model_config, resolve_model  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +45,8 @@ def main() -> int:
                LLMServeContestant("deterministic", "bfloat16", "auto", "1GiB", max_num_seqs=64,
                                   deterministic=True)]
     opts = argparse.Namespace(skip_w3=False, w3_skip=[])
-    results = run(engines, size, opts)
+    vocab = load_model_config(resolve_model(None)).vocab_size  # the default model's
+    results = run(engines, size, opts, vocab)
     summary = summarize(results)
     d, b = summary["deterministic"], summary["default"]
     lines = ["| mode | W1 decode tok/s | W2 prefill tok/s | W3 output tok/s |", "|---|---|---|---|"]
