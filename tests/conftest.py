@@ -129,9 +129,9 @@ def llm_fp32():
     return LLM(dtype="float32", kv_cache_memory="256MiB")
 
 
-def engine_variant(base_llm, *, scheduler=None, cache=None):
+def engine_variant(base_llm, *, scheduler=None, cache=None, **engine):
     """A new engine sharing ``base_llm``'s weights and tokenizer, with other
-    scheduler/cache settings (a fresh KV cache)."""
+    scheduler/cache settings and ``EngineConfig`` fields (a fresh KV cache)."""
     from llmserve import LLM
     from llmserve.engine.llm_engine import LLMEngine
 
@@ -139,7 +139,7 @@ def engine_variant(base_llm, *, scheduler=None, cache=None):
     cfg = dataclasses.replace(
         cfg,
         scheduler_config=dataclasses.replace(cfg.scheduler_config, **(scheduler or {})),
-        cache_config=dataclasses.replace(cfg.cache_config, **(cache or {})))
+        cache_config=dataclasses.replace(cfg.cache_config, **(cache or {})), **engine)
     return LLM.from_engine(LLMEngine(cfg, base_llm.engine.tokenizer, base_llm.engine.runner.model))
 
 

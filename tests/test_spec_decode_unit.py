@@ -216,7 +216,7 @@ def test_scheduler_verifies_drafts_and_rolls_back_rejected_slots():
     assert len(kv.get_block_ids("a")) == 3  # 11 slots of 4
     # two drafts accepted, the third rejected and replaced by 42
     core = sched.update_from_output(out, ModelRunnerOutput(
-        sampled_token_ids={"a": 42}, spec_output_token_ids={"a": [8, 9, 42]}))
+        sampled_token_ids={"a": 42}, emitted_token_ids={"a": [8, 9, 42]}))
     assert core[0].new_token_ids == [8, 9, 42]
     assert req.output_token_ids == [7, 8, 9, 42]
     assert req.num_computed_tokens == 9 and req.num_tokens == 10  # 7, 8, 9 computed
@@ -228,7 +228,7 @@ def test_scheduler_verifies_drafts_and_rolls_back_rejected_slots():
     out = sched.schedule()
     assert out.scheduled_spec_decode_tokens == {"a": [1, 2, 3]}
     core = sched.update_from_output(out, ModelRunnerOutput(
-        sampled_token_ids={"a": 4}, spec_output_token_ids={"a": [1, 99, 3, 4]}))
+        sampled_token_ids={"a": 4}, emitted_token_ids={"a": [1, 99, 3, 4]}))
     assert core[0].new_token_ids == [1, 99] and core[0].finish_reason == "stop"
     assert kv.get_num_free_blocks() == kv.num_usable_blocks
 
@@ -246,7 +246,7 @@ def test_scheduler_trims_blocks_and_caps_drafts_at_max_tokens():
     kv = sched.kv_cache_manager
     assert len(kv.get_block_ids("b")) == 3  # 4 + 5 slots
     sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"b": 9},
-                                                    spec_output_token_ids={"b": [9]}))
+                                                    emitted_token_ids={"b": [9]}))
     assert req.num_computed_tokens == 5 and len(kv.get_block_ids("b")) == 2  # rolled back
 
 

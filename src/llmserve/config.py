@@ -335,6 +335,9 @@ class EngineConfig:
     # through one kernel path, so batching, chunking and prefix-cache hits change no bits
     deterministic: bool = False
     speculative_config: Any = None  # a spec_decode.config.SpeculativeConfig, None = off
+    # structured outputs: append the tokens a grammar forces after each sampled token
+    # (jump-forward decoding) instead of decoding them one step each
+    jump_forward: bool = True
     lora_config: LoRAConfig | None = None  # multi-LoRA (--enable-lora), None = off
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)

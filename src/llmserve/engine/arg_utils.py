@@ -124,6 +124,7 @@ class EngineArgs:
     swap_space: float = 4.0
     num_cpu_blocks_override: int | None = None
     deterministic: bool = False
+    jump_forward: bool = True
     kv_eviction_policy: str = "none"  # none | streaming_llm | h2o | snapkv
     kv_budget_tokens: int | None = None
     num_sink_tokens: int = 4
@@ -191,6 +192,10 @@ class EngineArgs:
                        help="batch-invariant mode: greedy outputs and logprobs do not depend on "
                             "batching, prefill chunking or prefix-cache hits (every token runs "
                             "through one kernel path; slower prefill, see docs/benchmarks.md)")
+        g.add_argument("--no-jump-forward", dest="jump_forward", action="store_false",
+                       default=True,
+                       help="structured outputs: decode grammar-forced tokens one step each "
+                            "instead of appending them after each sampled token")
         g.add_argument("--kv-eviction-policy", default="none",
                        choices=["none", "streaming_llm", "h2o", "snapkv"],
                        help="evict whole KV blocks of a sequence past --kv-budget-tokens: "
@@ -308,6 +313,7 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode),
             dtype=dtype, device=device, attention_backend=self.attention_backend, seed=self.seed,
             extra={"quantization": self.quantization}, deterministic=bool(self.deterministic),
+            jump_forward=bool(self.jump_forward),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
             lora_config=self._lora_config(),
             offload_config=OffloadConfig(cpu_offload_gb=self.cpu_offload_gb,

@@ -461,7 +461,7 @@ class LLMEngine:
         """The scheduler's and the output processor's half of a step."""
         if self.spec_decoding_stats is not None:
             for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
-                emitted = runner_out.spec_output_token_ids.get(req_id)
+                emitted = runner_out.emitted_token_ids.get(req_id)
                 if drafts and emitted:
                     self.spec_decoding_stats.observe(len(drafts), len(emitted) - 1)
             if time.monotonic() - self._spec_logged_at >= 10.0 and sched_out.scheduled_spec_decode_tokens:

@@ -84,10 +84,13 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # speculative decoding: every token a verified request emits this step (accepted
-    # drafts, then the recovered or bonus token; sampled_token_ids holds the last one),
-    # and the drafts proposed for its next step
-    spec_output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # every token a request emits this step where it is more than the sampled one:
+    # speculative decoding's accepted drafts, then the recovered or bonus token; or a
+    # sampled token, then the tokens its grammar forces (jump-forward). The tokens after
+    # the first are not computed yet (their KV is written by the next step) except for
+    # accepted drafts. sampled_token_ids holds the last token.
+    emitted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # speculative decoding: the drafts proposed for each request's next step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # with the first sampled token: per prompt token 1..P-1 (ids, logprobs, rank), or None
     # when they could not be computed (see worker/prompt_logprobs.py)
@@ -96,6 +99,11 @@ class ModelRunnerOutput:
     # scored query rows put on each block of its block table (summed over layers and
     # query heads), aligned with the table it ran with
     kv_block_scores: dict[str, list[float]] = field(default_factory=dict)
+
+    def new_token_ids(self, req_id: str) -> list[int]:
+        """Every token ``req_id`` emitted this step (none for a partial prefill chunk)."""
+        token = self.sampled_token_ids.get(req_id)
+        return self.emitted_token_ids.get(req_id) or ([] if token is None else [token])
 
 
 @dataclass

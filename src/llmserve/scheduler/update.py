@@ -26,9 +26,7 @@ class SchedulerUpdateMixin:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            token = runner_out.sampled_token_ids.get(req_id)
-            tokens = runner_out.spec_output_token_ids.get(req_id) or (
-                [] if token is None else [token])
+            tokens = runner_out.new_token_ids(req_id)
             drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
             # rejected drafts: their KV slots are rolled back (recomputed if ever needed)
             req.num_computed_tokens += num_new - (len(drafts) - len(tokens) + 1 if drafts and tokens else 0)
@@ -37,7 +35,8 @@ class SchedulerUpdateMixin:
                 req.eviction.add_scores(scores)
             finished = False
             new_tokens: list[int] = []
-            for t in tokens:  # EOS, a stop id or max_tokens may fall inside a drafted run
+            for t in tokens:  # EOS, a stop id or max_tokens may fall inside a drafted or
+                # forced run
                 req.append_output_token_ids([t])
                 new_tokens.append(t)
                 finished = req.check_stop(self.max_model_len)

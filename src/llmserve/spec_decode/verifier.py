@@ -83,7 +83,7 @@ class SpecDecoder:
             state.token_ids.extend(tokens)
             out.sampled_token_ids[state.req_id] = tokens[-1]
             if k:
-                out.spec_output_token_ids[state.req_id] = tokens
+                out.emitted_token_ids[state.req_id] = tokens
                 self.policy.observe(state.req_id, k, len(tokens) - 1)
         self._propose(runner, states, emitted, len(sched.num_scheduled_tokens), out)
         return out

@@ -118,6 +118,23 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
+    def jump_forward(self, max_tokens: int) -> list[int]:
+        """Accept and return the tokens the grammar forces next (jump-forward decoding,
+        Zheng et al., "SGLang", 2024, section 4): xgrammar's ``find_jump_forward_tokens``,
+        the longest vocabulary tokens that spell the forced text, the last one dropped
+        when a longer token extends it (the text after it is not forced, and the model
+        may merge it). At most ``max_tokens``; none once the grammar is complete. The
+        tokens are the library's split of the text, which may differ from the
+        tokenizer's own encoding of it."""
+        if max_tokens <= 0 or self.failed or self._m.is_terminated():
+            return []
+        forced = []
+        for token_id in self._m.find_jump_forward_tokens()[:max_tokens]:
+            if not self._m.accept_token(token_id):
+                break
+            forced.append(token_id)
+        return forced
+
 
 class GrammarCompilerCache:
     """Compiles :class:`StructuredOutputsParams` for one tokenizer, once per spec.

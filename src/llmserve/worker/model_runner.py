@@ -35,6 +35,8 @@ from llmserve.worker.prompt_logprobs import collect_prompt_logprobs, wants_promp
 
 logger = logging.getLogger(__name__)
 
+# most grammar-forced tokens appended after one sampled token (the next step computes them)
+MAX_JUMP_FORWARD_TOKENS = 64
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -337,12 +339,32 @@ class ModelRunner:
             if state.sampling_params.prompt_logprobs is not None \
                     and len(state.token_ids) == state.num_prompt_tokens:
                 out.prompt_logprobs[state.req_id] = state.prompt_logprobs  # None: unavailable
-            if state.grammar is not None and not state.grammar.accept_token(tok) \
-                    and not state.grammar.is_terminated():
-                logger.warning("request %s: token %d refused by its grammar", state.req_id, tok)
+            n = state.sampling_params.logprobs
             state.token_ids.append(tok)
             out.sampled_token_ids[state.req_id] = tok
-            n = state.sampling_params.logprobs
+            if state.grammar is not None:
+                if not state.grammar.accept_token(tok):
+                    if not state.grammar.is_terminated():
+                        logger.warning("request %s: token %d refused by its grammar",
+                                       state.req_id, tok)
+                elif self.config.jump_forward and n is None:
+                    self._jump_forward(state, out)
             if n is not None and lp_ids is not None:
                 out.logprobs[state.req_id] = (lp_ids[i][:n + 1], lps[i][:n + 1], ranks[i])
         return out
+
+    def _jump_forward(self, state: CachedRequestState, out: ModelRunnerOutput) -> None:
+        """Append the tokens ``state``'s grammar forces after its sampled token: emitted
+        now, computed by the next step as one multi-token chunk (not one step each).
+        Not for requests that want logprobs (forced tokens have none)."""
+        # the scheduler ends the request at max_tokens / max_model_len inside the run too
+        room = [MAX_JUMP_FORWARD_TOKENS]
+        if state.sampling_params.max_tokens is not None:
+            room.append(state.sampling_params.max_tokens - len(state.output_token_ids))
+        if self.config.model_config.max_model_len:
+            room.append(self.config.model_config.max_model_len - len(state.token_ids))
+        forced = state.grammar.jump_forward(min(room))
+        if forced:
+            state.token_ids.extend(forced)
+            out.emitted_token_ids[state.req_id] = [state.token_ids[-len(forced) - 1], *forced]
+            out.sampled_token_ids[state.req_id] = forced[-1]

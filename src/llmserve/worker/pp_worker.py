@@ -146,11 +146,12 @@ class PPDriverRunner(PipelineStageMixin, DriverRunner):
         def run() -> ModelRunnerOutput:
             pp = self.groups.pp
             out = pp.recv_object(pp.world_size - 1, TAG_OUTPUT)
-            for req_id, tok in out.sampled_token_ids.items():  # stage 0 builds the next input
+            sampled = {r: out.new_token_ids(r) for r in out.sampled_token_ids}
+            for req_id, tokens in sampled.items():  # stage 0 builds the next input
                 state = self.requests.get(req_id)
                 if state is not None:
-                    state.token_ids.append(tok)
-            self._sampled.update(out.sampled_token_ids)
+                    state.token_ids.extend(tokens)
+            self._sampled.update(sampled)
             return out
         return self._guard(run)
 
@@ -177,7 +178,7 @@ class PPDriverRunner(PipelineStageMixin, DriverRunner):
 class PPFollowerRunner(PipelineStageMixin, FollowerRunner):
     """Every other rank: its stage's layers; on the last stage's tp rank 0, the sampler."""
 
-    def follow(self, sampled: dict[str, int], dropped: list[str]) -> None:
+    def follow(self, sampled: dict[str, list[int]], dropped: list[str]) -> None:
         super().follow({} if self.is_driver else sampled, dropped)  # the sampler has them
 
     def next_step(self):

@@ -138,7 +138,7 @@ class DriverRunner(ModelRunner):
                  executor: TPExecutor) -> None:
         super().__init__(config, model, num_blocks, num_host_blocks)
         self.executor = executor
-        self._sampled: dict[str, int] = {}
+        self._sampled: dict[str, list[int]] = {}
         self._dropped: list[str] = []
         self.broadcast_s = 0.0  # time spent sending steps (benchmarks/tensor_parallel.py)
         self.num_broadcasts = 0
@@ -165,7 +165,7 @@ class DriverRunner(ModelRunner):
             if failure is not None:
                 raise failure from e
             raise RankFailedError(0, f"failed a step: {type(e).__name__}: {e}") from e
-        self._sampled = dict(out.sampled_token_ids)
+        self._sampled = {r: out.new_token_ids(r) for r in out.sampled_token_ids}
         return out
 
 
@@ -174,14 +174,15 @@ class FollowerRunner(ModelRunner):
 
     is_driver = False
 
-    def follow(self, sampled: dict[str, int], dropped: list[str]) -> None:
-        """Apply what the driver did since the last step: dropped requests, sampled tokens."""
+    def follow(self, sampled: dict[str, list[int]], dropped: list[str]) -> None:
+        """Apply what the driver did since the last step: dropped requests, the tokens
+        each request emitted (sampled, and any grammar-forced ones after it)."""
         for req_id in dropped:
             self.requests.pop(req_id, None)
-        for req_id, tok in sampled.items():
+        for req_id, tokens in sampled.items():
             state = self.requests.get(req_id)
             if state is not None:
-                state.token_ids.append(tok)
+                state.token_ids.extend(tokens)
 
 
 def kv_block_counts(config: EngineConfig, bytes_per_token: int) -> tuple[int, int]:
