@@ -40,6 +40,10 @@ MAX_JUMP_FORWARD_TOKENS = 64
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _lora_id(state) -> int:
+    return 0 if state.lora_request is None else state.lora_request.lora_int_id
+
+
 @dataclass
 class CachedRequestState:
     """The runner's copy of a request: all its tokens (prompt + sampled)."""
@@ -197,7 +201,9 @@ class ModelRunner:
         # prompt tokens in one chunk) run as one-token decodes, as they first ran
         decode = {r: self.requests[r].num_computed_tokens
                   >= self.requests[r].num_prompt_tokens for r in num_sched}
-        order = sorted(num_sched, key=lambda r: not decode[r])
+        # within each group, rows of one LoRA adapter together: each adapter's rows are
+        # then one contiguous slice (one shrink and one in-place expand per layer)
+        order = sorted(num_sched, key=lambda r: (not decode[r], _lora_id(self.requests[r])))
         states = [self.requests[r] for r in order]
         query_lens = [num_sched[r] for r in order]
         num_decode_seqs = sum(decode.values())
