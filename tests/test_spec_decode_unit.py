@@ -316,3 +316,38 @@ def test_adaptive_policy_follows_acceptance_and_batch():
     assert 0 < pol.num_drafts("good", 40) < 5  # fewer drafts as the batch grows
     # a request with k = 0 still probes now and then
     assert max(pol.num_drafts("bad", 1) for _ in range(10)) == 1
+
+
+def test_adaptive_policy_uses_measured_step_costs():
+    """Once the engine has timed its own verification steps, the per-draft cost is the
+    fitted cost of one more row (plus the draft forward) over a plain decode step."""
+    from llmserve.spec_decode.policy import DraftLengthPolicy, StepCostModel
+
+    model = StepCostModel()
+    assert model.coefficients() is None
+    for i in range(20):  # t = 0.040 + 0.020 * rows, rows 1..5
+        rows = 1 + i % 5
+        model.observe_step(rows, 0.040 + 0.020 * rows)
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.040) and b == pytest.approx(0.020)
+    assert model.relative_cost(1) is None  # no draft timing yet
+    model.observe_draft(4, 0.0)  # n-gram: free proposals
+    assert model.relative_cost(1) == pytest.approx(0.02 / 0.06)
+    same_rows = StepCostModel()
+    for _ in range(20):
+        same_rows.observe_step(3, 0.1)
+    assert same_rows.coefficients() is None  # b cannot be told from a
+
+    pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                              draft_length_policy="adaptive"))
+    for _ in range(10):
+        pol.observe("r", 4, 1)  # alpha = 0.5
+    assert pol.num_drafts("r", 1) == 3  # priors: a draft costs 0.12 of a step
+    pol.cost_model = model  # measured: one more row costs a third of a step
+    assert pol.num_drafts("r", 1) == 1  # 0.5 >= 1/3 > 0.25
+    for _ in range(10):
+        pol.observe("r", 4, 0)
+    assert pol.num_drafts("r", 1) == 0
+    for _ in range(30):
+        pol.observe("r", 4, 4)
+    assert pol.num_drafts("r", 1) == 4

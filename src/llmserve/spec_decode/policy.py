@@ -11,6 +11,18 @@ with the batch, since a large batch is compute bound::
     cost(B) = draft_cost + B / compute_bound_batch
     k = max { j <= k_max : alpha ** j >= cost(B) }     (0: no speculation)
 
+Those two costs are measured, not assumed, once the engine has seen enough steps
+(:class:`StepCostModel`): decode-only verification steps give a least-squares fit of
+step time ``t = a + b * rows`` (``b``: one more verified row, which on a CPU whose
+packed int4 kernel costs ~2x at 4 rows what it costs at 1 is far from free), and the
+proposer's time per draft position gives ``t_draft``. Then, per request at batch ``B``::
+
+    cost(B) = (b * B + t_draft) / (a + b * B)     (one more row + a share of the draft
+                                                   forward, over one plain decode step)
+
+so speculation turns itself off where verifying does not pay (the priors above stand
+in until the fit is ready).
+
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover. ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
@@ -28,6 +40,55 @@ DRAFT_COST = {"ngram": 0.1, "draft_model": 0.25}
 COMPUTE_BOUND_BATCH = 48
 
 
+class StepCostModel:
+    """Online fit of a verification step's time, ``t = a + b * rows`` (seconds), by
+    exponentially weighted least squares over decode-only steps, and the mean time of
+    one draft position (a draft-model forward; ~0 for n-gram lookup).
+
+    :meth:`coefficients` is None until the observed row counts vary enough to fit
+    ``b`` (weighted variance of rows >= ``MIN_ROWS_VAR``) over ``MIN_STEPS`` steps."""
+
+    DECAY = 0.97
+    MIN_STEPS = 8
+    MIN_ROWS_VAR = 0.2
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.num_steps = 0
+        self.draft_s: float | None = None  # seconds per draft position
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + rows, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+        self.num_steps += 1
+
+    def observe_draft(self, positions: int, seconds: float) -> None:
+        if positions > 0:
+            per = seconds / positions
+            self.draft_s = per if self.draft_s is None else 0.8 * self.draft_s + 0.2 * per
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(a, b)`` in seconds, or None while the fit is not determined."""
+        if self.num_steps < self.MIN_STEPS:
+            return None
+        var = self._xx / self._w - (self._x / self._w) ** 2
+        if var < self.MIN_ROWS_VAR:
+            return None
+        b = (self._xy / self._w - self._x * self._y / self._w ** 2) / var
+        b = max(b, 0.0)
+        a = max(self._y / self._w - b * self._x / self._w, 1e-6)
+        return a, b
+
+    def relative_cost(self, batch_size: int) -> float | None:
+        """One more draft for one request, over one plain decode step at ``batch_size``."""
+        fit = self.coefficients()
+        if fit is None or self.draft_s is None:
+            return None
+        a, b = fit
+        return (b * batch_size + self.draft_s) / (a + b * batch_size)
+
+
 class DraftLengthPolicy:
     """How many drafts each request gets next step (see the module docstring)."""
 
@@ -36,6 +97,7 @@ class DraftLengthPolicy:
         self.adaptive = config.draft_length_policy == "adaptive"
         self.disable_by_batch_size = config.disable_by_batch_size
         self.draft_cost = DRAFT_COST[config.method]
+        self.cost_model = StepCostModel()
         self._counts: dict[str, list[float]] = {}  # req_id -> [S, F, steps since a draft]
 
     def alpha(self, req_id: str) -> float:
@@ -48,7 +110,9 @@ class DraftLengthPolicy:
             return 0
         if not self.adaptive:
             return self.k_max
-        cost = self.draft_cost + batch_size / COMPUTE_BOUND_BATCH
+        cost = self.cost_model.relative_cost(batch_size)
+        if cost is None:  # priors until the engine has measured its own steps
+            cost = self.draft_cost + batch_size / COMPUTE_BOUND_BATCH
         if cost >= 1.0:
             return 0  # compute bound: a verified token costs as much as a decode step
         alpha = self.alpha(req_id)

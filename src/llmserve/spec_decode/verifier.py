@@ -16,6 +16,8 @@ Requests that ask for logprobs are not speculated (they decode one token a step)
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from llmserve.layers.sampler import (
@@ -52,6 +54,7 @@ class SpecDecoder:
     # ------------------------------------------------------------------ step
     def execute_model(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
         """``ModelRunner.execute_model`` with drafts verified and new drafts proposed."""
+        t0 = time.perf_counter()
         runner._update_states(sched)
         for req_id in sched.finished_req_ids:
             self.policy.drop(req_id)
@@ -85,6 +88,9 @@ class SpecDecoder:
             if k:
                 out.emitted_token_ids[state.req_id] = tokens
                 self.policy.observe(state.req_id, k, len(tokens) - 1)
+        if common.num_decodes == sched.total_num_scheduled_tokens:  # decode rows only:
+            # the step's time to here (inputs, forward, sampling), by its rows
+            self.policy.cost_model.observe_step(len(input_ids), time.perf_counter() - t0)
         self._propose(runner, states, emitted, len(sched.num_scheduled_tokens), out)
         return out
 
@@ -146,7 +152,9 @@ class SpecDecoder:
             ks.append(max(k, 0))
         if not any(ks):
             return
+        t0 = time.perf_counter()
         drafts = self.proposer.propose(states, ks)
+        self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0)
         for state, d in zip(states, drafts):
             if d:
                 out.spec_token_ids[state.req_id] = list(d)
