@@ -9,6 +9,7 @@ so what is measured is the per-step mask cost: decode tokens/s of the plain requ
 and the median step time.
 
     PYTHONPATH=src python benchmarks/structured_output_overhead.py [--tokens 32] [--reps 3]
+        [--no-jump-forward]
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-jump-forward", action="store_true",
+                    help="decode grammar-forced tokens one step each")
     args = ap.parse_args()
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB")
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", jump_forward=not args.no_jump_forward)
     run(llm, 8, 1, 4)  # warm-up (and the tokenizer table of the grammar compiler)
     print(f"{'batch':<34} {'plain tok/s':>12} {'median step ms':>15}")
     for num_extra in (1, 4):

@@ -1,8 +1,8 @@
 """Jump-forward decoding of grammar-forced tokens (issue 17, structured outputs).
 
 After each sampled token the runner appends the tokens the grammar forces next
-(xgrammar's ``find_jump_forward_tokens``); the scheduler computes them in the next
-step as one chunk. The oracle for the output is transformers on the same weights with
+(xgrammar's ``find_jump_forward_tokens``, at most ``MAX_JUMP_FORWARD_TOKENS`` at once);
+the scheduler computes them in the next step as one chunk. The oracle for the output is transformers on the same weights with
 the grammar replayed by an independent xgrammar matcher: every forced run is exactly
 what the grammar forces after the token before it, and every sampled (greedy) token is
 transformers' argmax among the tokens the grammar allows there, given all the earlier
@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from llmserve.worker.model_runner import MAX_JUMP_FORWARD_TOKENS
 from tests.conftest import engine_variant
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -72,7 +73,7 @@ def _replay_against_transformers(hf_model, llm, prompt_ids: list[int], out: list
         xgr.apply_token_bitmask_inplace(allowed[None], bitmask)
         assert out[j] == int(allowed.argmax()), f"sampled token {j}"
         assert matcher.accept_token(out[j])
-        forced = matcher.find_jump_forward_tokens()
+        forced = matcher.find_jump_forward_tokens()[:MAX_JUMP_FORWARD_TOKENS]  # one jump
         if matcher.is_terminated() or j + 1 == len(out):
             break
         assert out[j + 1:j + 1 + len(forced)] == forced, f"forced run after token {j}"

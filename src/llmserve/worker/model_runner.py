@@ -35,8 +35,10 @@ from llmserve.worker.prompt_logprobs import collect_prompt_logprobs, wants_promp
 
 logger = logging.getLogger(__name__)
 
-# most grammar-forced tokens appended after one sampled token (the next step computes them)
-MAX_JUMP_FORWARD_TOKENS = 64
+# most grammar-forced tokens appended after one sampled token: the next step computes
+# them, so each constrained request adds at most 1 + this many rows to a step that other
+# requests share (benchmarks/structured_output_overhead.py; a longer run takes more jumps)
+MAX_JUMP_FORWARD_TOKENS = 8
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
