@@ -299,6 +299,7 @@ def build_app(pool: WorkerPool, block_size: int = 16, max_retries: int = 2,
 
     app = FastAPI(title="llmserve router", lifespan=lifespan)
     app.state.pool = pool
+    app.state.health_checker = checker  # a front that learns of readiness first runs it
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

@@ -143,7 +143,11 @@ def _front_app(pool, replicas: list[Replica], args: argparse.Namespace):
         answers = await asyncio.gather(*(get(r.url + "/health") for r in replicas))
         waiting = [r.id for r, a in zip(replicas, answers, strict=True)
                    if a is None or a.status_code != 200]
-        if not waiting:
+        if not waiting:  # ready: the router's view too, not at its next round (<= 1 s
+            # later), so a request sent right after this answer is routed
+            checker = app.state.health_checker
+            await asyncio.gather(*(checker.check(w) for w in list(pool.workers.values())
+                                   if not w.healthy))
             return Response(status_code=200)
         return JSONResponse({"error": {"message": f"data-parallel replicas not ready: "
                                                   f"{', '.join(waiting)}",
