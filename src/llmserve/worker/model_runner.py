@@ -356,13 +356,14 @@ class ModelRunner:
                         logger.warning("request %s: token %d refused by its grammar",
                                        state.req_id, tok)
                 elif self.config.jump_forward and n is None:
-                    self._jump_forward(state, out)
+                    self._jump_forward(state, tok, out)
             if n is not None and lp_ids is not None:
                 out.logprobs[state.req_id] = (lp_ids[i][:n + 1], lps[i][:n + 1], ranks[i])
         return out
 
-    def _jump_forward(self, state: CachedRequestState, out: ModelRunnerOutput) -> None:
-        """Append the tokens ``state``'s grammar forces after its sampled token: emitted
+    def _jump_forward(self, state: CachedRequestState, tok: int,
+                      out: ModelRunnerOutput) -> None:
+        """Append the tokens ``state``'s grammar forces after its sampled ``tok``: emitted
         now, computed by the next step as one multi-token chunk (not one step each).
         Not for requests that want logprobs (forced tokens have none)."""
         # the scheduler ends the request at max_tokens / max_model_len inside the run too
@@ -374,5 +375,5 @@ class ModelRunner:
         forced = state.grammar.jump_forward(min(room))
         if forced:
             state.token_ids.extend(forced)
-            out.emitted_token_ids[state.req_id] = [state.token_ids[-len(forced) - 1], *forced]
+            out.emitted_token_ids[state.req_id] = [tok, *forced]
             out.sampled_token_ids[state.req_id] = forced[-1]
