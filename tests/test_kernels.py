@@ -187,6 +187,36 @@ def test_paged_attention_decode_threads_and_errors(kernels):
                                        seq_lens, 0.125)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 1300])
+def test_split_k_spans_match_dense_and_do_not_depend_on_the_batch(kernels, dtype, window):
+    """Sequences longer than a 512-position span run split-K (flash-decoding): every span
+    on its own thread, combined by log-sum-exp. The result equals dense attention, and a
+    sequence's output is bit for bit the same alone, batched, or on any thread count."""
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, block_size = 700, 16
+    key_cache = torch.randn(num_blocks, block_size, 3, 64, generator=gen).to(dtype)
+    value_cache = torch.randn(key_cache.shape, generator=gen).to(dtype)
+    # lengths around the span edges: 1 span, exactly 2, 2 + 1 position, 8 spans + a tail
+    seq_lens = torch.tensor([512, 1024, 1025, 4100, 7])
+    block_table = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:260] + 1
+                               for _ in seq_lens])
+    # peaked scores: the combine's rescaling between spans must be right, not averaged away
+    query = (torch.randn(len(seq_lens), 9, 64, generator=gen) * 3).to(dtype)
+    got = kernels.paged_attention_decode(query, key_cache, value_cache, block_table,
+                                         seq_lens, 0.125, window, num_threads=2)
+    want = dense_decode_attention(query, key_cache, value_cache, block_table, seq_lens, 0.125,
+                                  window)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    for s in range(len(seq_lens)):
+        for threads in (1, 3):
+            alone = kernels.paged_attention_decode(
+                query[s:s + 1], key_cache, value_cache, block_table[s:s + 1],
+                seq_lens[s:s + 1], 0.125, window, num_threads=threads)
+            assert torch.equal(alone[0], got[s]), (s, threads)
+
+
 def test_portable_build_matches(kernels, tmp_path):
     """The C fallback for CPUs without AVX-512 (same source, no -march=native)."""
     with open("/proc/cpuinfo") as f:

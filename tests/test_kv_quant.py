@@ -69,20 +69,25 @@ def test_write_kernel_stores_the_reference_quantized_bytes(fmt, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("head_dim,window", [(64, None), (48, 20)])
+@pytest.mark.parametrize("head_dim,window", [(64, None), (48, 20), (64, 700)])
 def test_decode_kernel_equals_torch_attention_over_dequantized_kv(fmt, head_dim, window):
+    """Also past one 512-position span (1100 tokens: split-K, combined by log-sum-exp),
+    where a sequence's output must not depend on its batch."""
     k = get_cpu_kernels()
     g = torch.Generator().manual_seed(2)
-    H, Hkv, bs, num_blocks = 9, 3, 16, 40
+    H, Hkv, bs, num_blocks = 9, 3, 16, 120
     key_cache = quantize_kv(torch.randn(num_blocks, bs, Hkv, head_dim, generator=g) * 3, fmt)
     value_cache = quantize_kv(torch.randn(num_blocks, bs, Hkv, head_dim, generator=g), fmt)
-    seq_lens = torch.tensor([1, 16, 17, 70, 128])
-    block_table = torch.stack([torch.randperm(num_blocks - 1, generator=g)[:8] + 1
+    seq_lens = torch.tensor([1, 16, 17, 70, 128, 1100])
+    block_table = torch.stack([torch.randperm(num_blocks - 1, generator=g)[:70] + 1
                                for _ in seq_lens])
     query = torch.randn(len(seq_lens), H, head_dim, generator=g)
     scale = head_dim ** -0.5
     out = k.paged_attention_decode_quant(fmt, query, key_cache, value_cache, block_table,
                                          seq_lens, scale, window, 2)
+    alone = k.paged_attention_decode_quant(fmt, query[-1:], key_cache, value_cache,
+                                           block_table[-1:], seq_lens[-1:], scale, window, 1)
+    assert torch.equal(alone[0], out[-1])
     keys, values = dequantize_kv(key_cache), dequantize_kv(value_cache)
     for s, n in enumerate(seq_lens.tolist()):
         kk = keys[block_table[s]].flatten(0, 1)[:n].repeat_interleave(H // Hkv, 1)

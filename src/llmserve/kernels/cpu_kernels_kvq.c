@@ -1,7 +1,8 @@
 /* Quantized KV cache pages (int8 / fp8 e4m3): the KV write and paged decode attention.
  *
  * Included at the end of cpu_kernels.c (it uses that file's helpers: load_row, store_row,
- * dot_f32, softmax_inplace, slot_cursor, attn_args, fp16_to_f32).
+ * dot_f32, fp16_to_f32) and cpu_kernels_attn.c's (softmax_stats, slot_cursor, attn_args,
+ * attn_span, run_paged_decode: the same split-K spans).
  *
  * A quantized cache holds, per token and KV head, head_dim one-byte codes followed by
  * that row's fp16 scale (little endian), so the scales live inside their block:
@@ -153,18 +154,16 @@ static inline void kvq_codes(int fmt, float *restrict dst, const uint8_t *restri
 
 /* one sequence, all heads; D and fmt compile-time constants in the common cases */
 static inline __attribute__((always_inline)) void kvq_attend_core(
-    const attn_args *a, int64_t seq, float *scores, float *qbuf, float *kv, float *acc,
-    const int64_t D, const int fmt) {
+    const attn_args *a, const attn_span *sp, float *scores, float *qbuf, float *kv, float *acc,
+    float *stats, const int64_t D, const int fmt) {
     const size_t es = elem_size(a->dtype);
     const int64_t H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
-    const int64_t L = a->seq_lens[seq];
-    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
-    const int64_t n = L - start;
+    const int64_t n = sp->n, seq = sp->seq;
     const int64_t *table = a->block_table + seq * a->bt_stride;
     const int64_t rb = D + 2, sb = Hkv * rb;  /* bytes per head row, per slot */
     const uint8_t *kc = (const uint8_t *)a->key_cache, *vc = (const uint8_t *)a->value_cache;
     load_row(a->dtype, qbuf, (const char *)a->query + seq * a->q_stride * es, H * D);
-    slot_cursor cur = slots_from(table, bs, start);
+    slot_cursor cur = slots_from(table, bs, sp->start);
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *kp = kc + next_slot(&cur) * sb;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -175,9 +174,9 @@ static inline __attribute__((always_inline)) void kvq_attend_core(
                 scores[(kvh * G + g) * n + j] = dot_f32(qbuf + (kvh * G + g) * D, kv, D) * s;
         }
     }
-    for (int64_t h = 0; h < H; h++) softmax_inplace(scores + h * n, n);
+    for (int64_t h = 0; h < H; h++) softmax_stats(scores + h * n, n, stats + 2 * h);
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    cur = slots_from(table, bs, start);
+    cur = slots_from(table, bs, sp->start);
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *vp = vc + next_slot(&cur) * sb;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -192,7 +191,6 @@ static inline __attribute__((always_inline)) void kvq_attend_core(
             }
         }
     }
-    store_row(a->dtype, (char *)a->out + seq * H * D * es, acc, H * D);
 }
 
 #if defined(__AVX512F__)
@@ -217,18 +215,16 @@ static inline __m512 kvq_load16(const int fmt, const uint8_t *p) {
 /* kvq_attend_core with AVX-512 (head_dim a multiple of 16, at most 256): each position's
  * rows are converted once into registers and used by every query head of their group. */
 static inline __attribute__((always_inline)) void kvq_attend_avx512(
-    const attn_args *a, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t D,
-    const int fmt) {
+    const attn_args *a, const attn_span *sp, float *scores, float *qbuf, float *acc,
+    float *stats, const int64_t D, const int fmt) {
     const size_t es = elem_size(a->dtype);
     const int64_t H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
-    const int64_t L = a->seq_lens[seq];
-    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
-    const int64_t n = L - start;
+    const int64_t n = sp->n, seq = sp->seq;
     const int64_t *table = a->block_table + seq * a->bt_stride;
     const int64_t rb = D + 2, sb = Hkv * rb, V = D / 16;
     const uint8_t *kc = (const uint8_t *)a->key_cache, *vc = (const uint8_t *)a->value_cache;
     load_row(a->dtype, qbuf, (const char *)a->query + seq * a->q_stride * es, H * D);
-    slot_cursor cur = slots_from(table, bs, start);
+    slot_cursor cur = slots_from(table, bs, sp->start);
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *kp = kc + next_slot(&cur) * sb;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -245,9 +241,9 @@ static inline __attribute__((always_inline)) void kvq_attend_avx512(
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) softmax_inplace(scores + h * n, n);
+    for (int64_t h = 0; h < H; h++) softmax_stats(scores + h * n, n, stats + 2 * h);
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    cur = slots_from(table, bs, start);
+    cur = slots_from(table, bs, sp->start);
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *vp = vc + next_slot(&cur) * sb;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -264,31 +260,30 @@ static inline __attribute__((always_inline)) void kvq_attend_avx512(
             }
         }
     }
-    store_row(a->dtype, (char *)a->out + seq * H * D * es, acc, H * D);
 }
 #endif
 
-static void kvq_attend_item(const attn_args *a, int fmt, int64_t seq, float *scores,
-                            float *qbuf, float *kv, float *acc) {
+static void kvq_attend_span(const attn_args *a, int fmt, const attn_span *sp, float *scores,
+                            float *qbuf, float *kv, float *acc, float *stats) {
     const int64_t D = a->head_dim;
 #if defined(__AVX512F__)
     if (D % 16 == 0 && D <= 256) {
         if (fmt == KVQ_INT8) {
-            if (D == 64) return kvq_attend_avx512(a, seq, scores, qbuf, acc, 64, KVQ_INT8);
-            return kvq_attend_avx512(a, seq, scores, qbuf, acc, D, KVQ_INT8);
+            if (D == 64) return kvq_attend_avx512(a, sp, scores, qbuf, acc, stats, 64, KVQ_INT8);
+            return kvq_attend_avx512(a, sp, scores, qbuf, acc, stats, D, KVQ_INT8);
         }
-        if (D == 64) return kvq_attend_avx512(a, seq, scores, qbuf, acc, 64, KVQ_FP8);
-        return kvq_attend_avx512(a, seq, scores, qbuf, acc, D, KVQ_FP8);
+        if (D == 64) return kvq_attend_avx512(a, sp, scores, qbuf, acc, stats, 64, KVQ_FP8);
+        return kvq_attend_avx512(a, sp, scores, qbuf, acc, stats, D, KVQ_FP8);
     }
 #endif
     if (fmt == KVQ_INT8) {
-        if (D == 64) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 64, KVQ_INT8);
-        if (D == 128) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 128, KVQ_INT8);
-        return kvq_attend_core(a, seq, scores, qbuf, kv, acc, D, KVQ_INT8);
+        if (D == 64) return kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, 64, KVQ_INT8);
+        if (D == 128) return kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, 128, KVQ_INT8);
+        return kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, D, KVQ_INT8);
     }
-    if (D == 64) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 64, KVQ_FP8);
-    if (D == 128) return kvq_attend_core(a, seq, scores, qbuf, kv, acc, 128, KVQ_FP8);
-    kvq_attend_core(a, seq, scores, qbuf, kv, acc, D, KVQ_FP8);
+    if (D == 64) return kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, 64, KVQ_FP8);
+    if (D == 128) return kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, 128, KVQ_FP8);
+    kvq_attend_core(a, sp, scores, qbuf, kv, acc, stats, D, KVQ_FP8);
 }
 
 int paged_attention_decode_quant(int fmt, int dtype, void *out, const void *query,
@@ -302,39 +297,8 @@ int paged_attention_decode_quant(int fmt, int dtype, void *out, const void *quer
     if ((fmt != KVQ_INT8 && fmt != KVQ_FP8) || num_kv_heads <= 0 ||
         num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0)
         return -1;
-    int64_t total = 0, max_len = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        int64_t L = seq_lens[s];
-        if (L < 1 || (L + block_size - 1) / block_size > bt_width) return -4;
-        for (int64_t b = 0; b < (L + block_size - 1) / block_size; b++) {
-            int64_t blk = block_table[s * bt_stride + b];
-            if (blk < 0 || blk >= num_blocks) return -3;
-        }
-        total += L;
-        if (L > max_len) max_len = L;
-    }
     attn_args a = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride,
                    window, scale};
-    int64_t work = total * num_kv_heads * head_dim;
-    int nt = num_threads < 1 ? 1 : num_threads;
-    if (nt > num_seqs) nt = (int)num_seqs;
-    if (work < (1 << 16)) nt = 1;
-    const size_t buf_floats = (size_t)(num_heads * max_len) + (size_t)(2 * num_heads * head_dim
-                                                                       + head_dim);
-    int status = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *buf = malloc(buf_floats * sizeof(float));
-        if (!buf) status = -2;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < num_seqs; seq++) {
-            if (!buf) continue;
-            float *scores = buf, *qbuf = buf + num_heads * max_len;
-            float *acc = qbuf + num_heads * head_dim, *kv = acc + num_heads * head_dim;
-            kvq_attend_item(&a, fmt, seq, scores, qbuf, kv, acc);
-        }
-        free(buf);
-    }
-    return status;
+    return run_paged_decode(&a, fmt, kvq_attend_span, num_blocks, bt_width, num_threads);
 }
