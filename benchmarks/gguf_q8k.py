@@ -18,6 +18,7 @@ its own process (``--reps 0`` skips the kernel table).
 
     .venv/bin/python benchmarks/gguf_q8k.py                  # kernels, ~1 min
     .venv/bin/python benchmarks/gguf_q8k.py --model --new 48 # + whole decode, ~3 min
+    .venv/bin/python benchmarks/gguf_q8k.py --shapes gate_up --rows 1,2,4,5,8,16  # cost vs M
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def timed(fn, reps: int) -> dict:
     return {"cpu_ms": 1e3 * statistics.median(cpu), "wall_ms": 1e3 * statistics.median(wall)}
 
 
-def kernel_table(rows: int, reps: int) -> list[dict]:
+def kernel_table(rows_list: list[int], reps: int, shapes: list[str] | None = None,
+                 thread_counts: tuple[int, ...] = (1, 2)) -> list[dict]:
     from llmserve.kernels import get_cpu_kernels
     from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
     from llmserve.layers.quantization.gguf_native import GGUFNativeConfig
@@ -75,9 +77,10 @@ def kernel_table(rows: int, reps: int) -> list[dict]:
     config = GGUFNativeConfig(torch.bfloat16)
     out = []
     for name, qtype, n, k in SHAPES:
+        if shapes and name not in shapes:
+            continue
         raw = blocks(qtype, n, k, rng)
         w = torch.from_numpy(raw)
-        x = torch.randn(rows, k).bfloat16()
         old = {}
         if qtype == "Q4_K":
             packed = pack_gguf_shards([GGUFQuantizedTensor(qtype, (n, k), raw, config).unpack()],
@@ -92,14 +95,17 @@ def kernel_table(rows: int, reps: int) -> list[dict]:
                                                             else x, d)
         old["new_q8k"] = lambda x, w=w, q=qtype: kernels.gguf_matmul_q8k(
             q, x, w, torch.get_num_threads())
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            row = {"shape": name, "qtype": qtype, "N": n, "K": k, "M": rows, "threads": threads}
-            for label, fn in old.items():
-                key = label if label == "new_q8k" else f"old_{label}"
-                row[key] = timed(lambda fn=fn, x=x: fn(x), reps)
-            out.append(row)
-            print(json.dumps(row), flush=True)
+        for rows in rows_list:
+            x = torch.randn(rows, k).bfloat16()
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                row = {"shape": name, "qtype": qtype, "N": n, "K": k, "M": rows,
+                       "threads": threads}
+                for label, fn in old.items():
+                    key = label if label == "new_q8k" else f"old_{label}"
+                    row[key] = timed(lambda fn=fn, x=x: fn(x), reps)
+                out.append(row)
+                print(json.dumps(row), flush=True)
         del old
     torch.set_num_threads(2)
     return out
@@ -133,7 +139,9 @@ def decode_run(new_tokens: int, threads: int, quantization: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=1, help="M, rows of x (decode rows)")
+    ap.add_argument("--rows", default="1", help="M, rows of x (decode rows); a list: 1,2,4,16")
+    ap.add_argument("--shapes", default="", help="only these shapes (comma-separated names)")
+    ap.add_argument("--kernel-threads", default="1,2", help="thread counts of the kernel table")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--model", action="store_true", help="also whole decode on the 1.5B model")
     ap.add_argument("--new", type=int, default=48, help="new tokens per decode run")
@@ -145,7 +153,10 @@ def main() -> None:
     if args.decode_only:
         print("RESULT " + json.dumps(decode_run(args.new, args.threads, args.quantization)), flush=True)
         return
-    result = {"kernels": kernel_table(args.rows, args.reps) if args.reps else []}
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = [s for s in args.shapes.split(",") if s]
+    threads = tuple(int(t) for t in args.kernel_threads.split(","))
+    result = {"kernels": kernel_table(rows, args.reps, shapes, threads) if args.reps else []}
     if args.model:
         result["decode"] = []
         for flag in ("1", "0", "1", "0"):  # interleaved: drift hits both alike

@@ -137,3 +137,45 @@ def test_out_argument_and_bad_input(q8k):
         q8k.gguf_matmul_q8k("Q6_K", torch.randn(2, 256), w)
     with pytest.raises(ValueError, match="q8k_quantize"):
         q8k.q8k_quantize(torch.randn(2, 100))
+
+
+def f16_bytes(v: float) -> np.ndarray:
+    return np.array([v], np.float16).view(np.uint8)
+
+
+def extreme_blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """Saturating hand-made blocks: every code at its maximum (or 0 / alternating), every
+    scale and min at its extreme (Q4_K 6-bit 63 / 0, Q6_K int8 -128 / 127 / -1 / 0)."""
+    nb, bb = k // 256, (144 if qtype == "Q4_K" else 210)
+    b = np.zeros((n, nb, bb), np.uint8)
+    code_bytes = [0xFF, 0x00, 0x0F, 0xF0, 0xAA, 0x55]
+    for r in range(n):
+        for j in range(nb):
+            c = code_bytes[(r + j) % len(code_bytes)]
+            if qtype == "Q4_K":
+                b[r, j, 0:2] = f16_bytes([1.0, 0.5][r % 2])
+                b[r, j, 2:4] = f16_bytes([0.25, 2.0][j % 2])
+                b[r, j, 4:16] = [0xFF, 0x00, 0x3F, 0xC0][(r // 2 + j) % 4]  # scales / mins
+                b[r, j, 16:] = c
+            else:
+                b[r, j, :192] = c
+                sc = np.array([-128, 127, -1, 0] * 4, np.int8)
+                b[r, j, 192:208] = np.roll(sc, r + j).view(np.uint8)
+                b[r, j, 208:210] = f16_bytes([1.0, -0.5][r % 2])
+    return b.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_extreme_codes_scales_and_activations(q8k, qtype):
+    """No saturation or overflow: maximal codes x maximal scales x activations quantized
+    to +-127 everywhere (VPMADDUBSW pairs, VPDPWSSD lanes, bsums at their bounds)."""
+    n, k = 24, 1024
+    blocks = extreme_blocks(qtype, n, k)
+    ones = torch.ones(k)
+    alt = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    x = torch.stack([ones, -ones, alt, -alt, ones * 1e-3, torch.where(torch.arange(k) % 256 == 7,
+                     1000.0, -1.0), (torch.arange(k) % 255 - 127.0) / 127])
+    ref, mag = reference(q8k, qtype, x, blocks, k)
+    got = q8k.gguf_matmul_q8k(qtype, x, torch.from_numpy(blocks), 2).double()
+    assert mag.max() > 1e4  # the sums are large: an int16 wrap would show
+    assert ((got - ref).abs() <= mag * 2e-6 + 1e-30).all(), (got - ref).abs().max()

@@ -11,11 +11,14 @@ Which kernel runs a GGUF tensor (``--quantization gguf-native`` / ``gguf-hybrid`
 
 ``gguf_matmul_q8k`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
 ``q6_K_q8_K``): each row of x quantized to int8 per 256 values (Q8_K), integer dot
-products with the 4/6-bit codes, exact per block. Opt-in (``LLMSERVE_Q8K_DOT=1``): on
-Qwen2.5-Coder-1.5B Q4_K_M vs the dequantized float32 model it measured max |logit diff|
-13.0, mean 0.097, perplexity +4.2% (bf16 paths: 0.72, 0.025, -0.18%), outside the bounds
-of tests/test_quant_gguf.py; the int8 error is largest on gate_up (inputs with outliers,
-max/mean |x| up to 100) and the LM head. Float32 activations never use it.
+products with the 4/6-bit codes, exact per block. Opt-in (``LLMSERVE_Q8K_DOT=1``). On
+Qwen2.5-Coder-1.5B Q4_K_M (96 tokens, benchmarks/q8k_quality.py) it is as close to
+llama.cpp as llama.cpp's own int8 activations allow (vs llama.cpp: max |logit diff| 1.0,
+perplexity -0.2%). Against the dequantized float32 model both differ by max 13.0 / 12.1
+and perplexity +3.1% / +3.3%, all from position 0: a lone token's hidden state carries
+Qwen2's massive activations (max/mean |x| of a 256-value block up to ~240), coarse in
+Q8_K; from position 1 on, q8k max 0.72, perplexity -0.46% (llama.cpp 0.67, +0.39%; bf16
+0.26, -0.16%). Float32 activations never use it.
 
 A fused layer (q/k/v, gate/up) whose shards differ in kernel is split into
 consecutive row parts, one weight per part, and their outputs are written side by
