@@ -87,6 +87,19 @@ def main() -> None:
     depths = [int(d) / 100 for d in args.depths.split(",")]
     cases = make_cases(depths, args.samples, args.seed)
     prompts = [encode_text(tok, build_prompt(tok, args.context, d, s)) for d, s in cases]
+
+    def dump() -> None:  # rewritten after every policy
+        if not args.json:
+            return
+        with open(args.json, "w") as f:
+            json.dump({"engine": "llmserve", "context": args.context, "budget": args.budget,
+                       "depths": depths, "samples": args.samples, "seed": args.seed,
+                       "max_tokens": args.max_tokens,
+                       "cases": [{"depth": d, "secret": s, "num_tokens": len(ids),
+                                  "ids_sha256": ids_sha256(ids)}
+                                 for (d, s), ids in zip(cases, prompts, strict=True)],
+                       "results": results}, f, indent=1)
+
     results = {}
     for policy in args.policies.split(","):
         hits, t0 = [], time.perf_counter()
@@ -104,15 +117,7 @@ def main() -> None:
         print(f"{policy:14s} recall {results[policy]['recall']:.2f} "
               f"{''.join('x' if h else '.' for h in hits)}  ({results[policy]['seconds']} s)",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"engine": "llmserve", "context": args.context, "budget": args.budget,
-                       "depths": depths, "samples": args.samples, "seed": args.seed,
-                       "max_tokens": args.max_tokens,
-                       "cases": [{"depth": d, "secret": s, "num_tokens": len(ids),
-                                  "ids_sha256": ids_sha256(ids)}
-                                 for (d, s), ids in zip(cases, prompts, strict=True)],
-                       "results": results}, f, indent=1)
+        dump()
 
 
 if __name__ == "__main__":

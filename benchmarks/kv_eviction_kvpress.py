@@ -113,6 +113,12 @@ def run_needles(args) -> None:
     prompts = [tok.encode(build_prompt(tok, ours["context"], d, s)) for d, s in cases]
     same_ids = [ids_sha256(p) == c["ids_sha256"] for p, c in zip(prompts, ours["cases"])]
     print(f"prompts with llmserve's token ids: {sum(same_ids)}/{len(same_ids)}", flush=True)
+    from importlib.metadata import version
+
+    head = {"engine": f"kvpress {version('kvpress')} on transformers {version('transformers')}",
+            "dtype": args.dtype, "context": ours["context"], "budget": ours["budget"],
+            "depths": ours["depths"], "samples": ours["samples"], "seed": ours["seed"],
+            "max_tokens": ours["max_tokens"], "prompts_with_llmserve_ids": sum(same_ids)}
     results = {}
     for policy in args.policies.split(","):
         if policy == "h2o":
@@ -136,17 +142,9 @@ def run_needles(args) -> None:
         r = results[policy]
         print(f"{policy:14s} recall {r['recall']:.2f} {r['per_depth']} ({r['seconds']} s)",
               flush=True)
-    import kvpress
-    import transformers
-
-    out = {"engine": f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else ''}"
-                     f" on transformers {transformers.__version__}",
-           "dtype": args.dtype, "context": ours["context"], "budget": ours["budget"],
-           "depths": ours["depths"], "samples": ours["samples"], "seed": ours["seed"],
-           "prompts_with_llmserve_ids": sum(same_ids), "results": results}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        if args.json:  # rewritten after every press
+            with open(args.json, "w") as f:
+                json.dump({**head, "results": results}, f, indent=1)
 
 
 def check_streaming_llm(args) -> None:

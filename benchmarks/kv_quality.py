@@ -59,23 +59,24 @@ def main() -> None:
     text = docs_text()
     t0 = time.perf_counter()
 
-    def show(r) -> None:
-        print(f"{r.variant:>20}  ppl {r.perplexity:.4f} (full {r.reference_perplexity:.4f})  "
-              f"KL mean {r.kl_mean:.5f} max {r.kl_max:.3f}  top-1 {r.top1_agreement:.3f}  "
-              f"kept <= {r.max_kept_blocks} blocks  ({r.seconds} s)", flush=True)
-
-    results = evaluate_kv(args.model, text, variants, num_tokens=args.num_tokens,
-                          prompt_len=args.prompt_tokens, dtype="float32",
-                          quantization="none", progress=show)
     out = {"model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (dequantized)",
            "dtype": "float32", "reference": "float32 KV, no eviction",
            "text": "docs/*.md", "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
            "num_tokens": args.num_tokens, "prompt_tokens": args.prompt_tokens,
-           "num_sink_tokens": args.num_sink_tokens,
-           "seconds": round(time.perf_counter() - t0, 1),
-           "results": [r.as_dict() for r in results]}
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+           "num_sink_tokens": args.num_sink_tokens, "results": []}
+
+    def show(r) -> None:  # the JSON is rewritten after every variant
+        out["results"].append(r.as_dict())
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"{r.variant:>20}  ppl {r.perplexity:.4f} (full {r.reference_perplexity:.4f})  "
+              f"KL mean {r.kl_mean:.5f} max {r.kl_max:.3f}  top-1 {r.top1_agreement:.3f}  "
+              f"kept <= {r.max_kept_blocks} blocks  ({r.seconds} s)", flush=True)
+
+    evaluate_kv(args.model, text, variants, num_tokens=args.num_tokens,
+                prompt_len=args.prompt_tokens, dtype="float32", quantization="none",
+                progress=show)
     print(f"wrote {args.json}")
 
 
