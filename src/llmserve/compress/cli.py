@@ -29,6 +29,23 @@ def register(subparsers) -> None:
                         "at load (same weights, dense matmuls); native: every checkpoint's "
                         "own kernels; none: dequantize all")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    kv = p.add_argument_group(
+        "KV cache quality", "with --kv-cache-dtype or --kv-eviction-policy: the text runs "
+        "teacher-forced through the engine (prompt, then one decode step per token) and "
+        "each KV setting is scored against the same model with full-precision, full KV "
+        "(KL over the decode steps after eviction starts; llmserve.engine.kv_quality)")
+    kv.add_argument("--kv-cache-dtype", default=None,
+                    help="comma list of KV dtypes to score, e.g. int8,fp8_e4m3")
+    kv.add_argument("--kv-eviction-policy", default=None,
+                    help="comma list of policies to score: streaming_llm,h2o,snapkv")
+    kv.add_argument("--kv-budget-tokens", default="512",
+                    help="comma list of per-sequence budgets for each policy (default 512)")
+    kv.add_argument("--num-sink-tokens", type=int, default=4)
+    kv.add_argument("--num-tokens", type=int, default=2048,
+                    help="tokens of the text to run (default 2048)")
+    kv.add_argument("--prompt-tokens", type=int, default=None,
+                    help="of which the prompt (default half); above the budget, every "
+                         "policy evicts at the first decode step")
     p.set_defaults(func=_run_eval)
 
     q = subparsers.add_parser(
@@ -71,10 +88,49 @@ def _fmt(v) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+def _run_kv_eval(args: argparse.Namespace, text: str | None) -> int:
+    import sys
+
+    from llmserve.compress.texts import builtin_text
+    from llmserve.engine.kv_quality import KVVariant, evaluate_kv
+
+    if args.reference is not None:
+        raise ValueError("--reference does not apply to --kv-cache-dtype / "
+                         "--kv-eviction-policy (the reference is the full-KV run)")
+    try:
+        budgets = [int(b) for b in _split(args.kv_budget_tokens)]
+    except ValueError:
+        raise ValueError(f"--kv-budget-tokens: integers, got {args.kv_budget_tokens!r}") from None
+    variants = [KVVariant(kv_cache_dtype=kv) for kv in _split(args.kv_cache_dtype)]
+    variants += [KVVariant(policy=pol, budget_tokens=b, num_sink_tokens=args.num_sink_tokens)
+                 for pol in _split(args.kv_eviction_policy) for b in budgets]
+    quant = "auto" if args.quantization == "native" else "none"
+    body = text if text is not None else builtin_text("eval", args.dataset)
+
+    def show(r) -> None:  # progress on stderr under --json
+        print(f"{r.variant:>20}  ppl {r.perplexity:.4f} (full {r.reference_perplexity:.4f})"
+              f"  KL mean {r.kl_mean:.5f} max {r.kl_max:.3f}  top-1 "
+              f"{r.top1_agreement:.3f}  {r.num_tokens} tokens  ({r.seconds} s)",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    results = evaluate_kv(args.model, body, variants, num_tokens=args.num_tokens,
+                          prompt_len=args.prompt_tokens, dtype=args.dtype,
+                          quantization=quant, progress=show)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results]))
+    return 0
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     from llmserve.compress.evaluate import evaluate
     from llmserve.compress.texts import read_text_file
 
+    if args.kv_cache_dtype or args.kv_eviction_policy:
+        return _run_kv_eval(args, read_text_file(args.text) if args.text else None)
     text = read_text_file(args.text) if args.text else None
     result = evaluate(args.model, args.reference, text=text, dataset=args.dataset,
                       quick=args.quick, seq_len=args.seq_len, max_windows=args.max_windows,
