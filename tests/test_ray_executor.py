@@ -97,3 +97,28 @@ def test_a_placement_group_that_cannot_fit_fails_in_the_timeout(cluster):
     args = build_parser().parse_args(["serve", "--distributed-executor-backend", "ray",
                                       "--tensor-parallel-size", "3"])
     assert args.distributed_executor_backend == "ray"
+
+
+def test_serve_on_ray_answers_and_stops_cleanly_on_sigterm(cluster):
+    """``llmserve serve --distributed-executor-backend ray`` joins the cluster from its
+    main thread (so Ray can set its SIGTERM handler, and uvicorn's handlers replace Ray's
+    C++ failure handler): it answers as the single process does, and a SIGTERM is a
+    clean exit 0, with neither Ray's "not the main thread" warning nor a stack trace."""
+    import httpx
+
+    from tests.test_server import MODEL, start_server, stop_server
+
+    server = start_server("--tensor-parallel-size", "3", "--kv-cache-memory", "64MiB",
+                          "--distributed-executor-backend", "ray")
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "The capital of France is", "max_tokens": 3,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].startswith(" Paris"), r.text
+    finally:
+        code = stop_server(server)
+    log = server.log()
+    assert code == 0, log[-3000:]
+    assert "not the main thread" not in log and "SIGTERM received" not in log, log[-3000:]
+    assert "started 2 Ray worker tasks" in log

@@ -8,9 +8,14 @@ Rank layout (vLLM's ``parallel_state``: tp is the fastest-varying index)::
         stage 0: ranks 0 1   {0,1}        {0,2} {1,3}
         stage 1: ranks 2 3   {2,3}
 
-Collectives run over ``torch.distributed`` (gloo on CPU, NCCL on CUDA) on the group a
-:class:`GroupCoordinator` wraps. Rank 0 is the *driver*: it runs the scheduler and
-the sampler; the other ranks follow the steps it broadcasts.
+Collectives run over ``torch.distributed`` on the group a :class:`GroupCoordinator`
+wraps. On CPU one gloo group carries everything. On CUDA (one process per GPU) each
+group is a pair, as vLLM's ``GroupCoordinator`` holds a ``device_group`` and a
+``cpu_group``: tensors (all-reduce, all-gather, the pipeline's hidden states) go over
+NCCL, and pickled objects (the driver's step broadcast, the sampler's output, block
+counts) over a gloo group on the same ranks, so no object round-trips through device
+memory. Rank 0 is the *driver*: it runs the scheduler and the sampler; the other ranks
+follow the steps it broadcasts.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ class GroupCoordinator:
             process may hold several engines' groups.
         ranks: the world ranks of the group, in group-rank order.
         rank: this process's world rank.
+        cpu_group: a gloo group over the same ranks for pickled objects and host scalars;
+            None: ``group`` itself (gloo, CPU tensors).
     """
 
-    def __init__(self, group, ranks: list[int], rank: int) -> None:
+    def __init__(self, group, ranks: list[int], rank: int, cpu_group=None) -> None:
         self.group = group
+        self.cpu_group = group if cpu_group is None else cpu_group
         self.ranks = list(ranks)
         self.world_size = len(ranks)
         self.rank_in_group = ranks.index(rank)
@@ -74,7 +82,7 @@ class GroupCoordinator:
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([t], opts).wait()
+        self.cpu_group.allreduce([t], opts).wait()
         return int(t.item())
 
     def broadcast_object(self, obj: object = None) -> object:
@@ -84,14 +92,15 @@ class GroupCoordinator:
             return obj
         if self.is_first_rank:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            self.group.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0).wait()
-            self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
-                                 0).wait()
+            self.cpu_group.broadcast(torch.tensor([len(payload)], dtype=torch.int64),
+                                     0).wait()
+            self.cpu_group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                                     0).wait()
             return obj
         size = torch.empty(1, dtype=torch.int64)
-        self.group.broadcast(size, 0).wait()
+        self.cpu_group.broadcast(size, 0).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.group.broadcast(data, 0).wait()
+        self.cpu_group.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -106,14 +115,24 @@ class GroupCoordinator:
 
     def send_object(self, obj: object, dst: int, tag: int = 0) -> None:
         """Pickle ``obj`` and send it to group rank ``dst`` (a length, then the bytes)."""
+        for work, _ in self.isend_object(obj, dst, tag):
+            work.wait()
+
+    def isend_object(self, obj: object, dst: int, tag: int = 0) -> list:
+        """Start sending ``obj`` to group rank ``dst`` without waiting: ``[(work,
+        buffer), ...]``; keep the buffers alive until each ``work.is_completed()``."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.send(torch.tensor([len(payload)], dtype=torch.int64), dst, tag)
-        self.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, tag)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return [(self.cpu_group.send([size], dst, tag), size),
+                (self.cpu_group.send([data], dst, tag), data)]
 
     def recv_object(self, src: int, tag: int = 0) -> object:
         """The object :meth:`send_object` sent from group rank ``src``."""
-        size = self.recv(torch.empty(1, dtype=torch.int64), src, tag)
-        data = self.recv(torch.empty(int(size.item()), dtype=torch.uint8), src, tag)
+        size = torch.empty(1, dtype=torch.int64)
+        self.cpu_group.recv([size], src, tag).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.cpu_group.recv([data], src, tag).wait()
         return pickle.loads(data.numpy().tobytes())
 
 
@@ -154,12 +173,48 @@ class ParallelGroups:
         return cls(0, 1, GroupCoordinator(None, [0], 0), GroupCoordinator(None, [0], 0))
 
 
+def backend_for_device(device: str) -> str:
+    """The ``torch.distributed`` backend for an engine device: ``"nccl"`` for
+    ``cuda[:N]``, ``"gloo"`` for ``cpu``."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int, device_count: int) -> str:
+    """The device world rank ``rank`` runs on: ``cpu`` stays ``cpu``; ``cuda[:N]`` is one
+    GPU per rank, ``cuda:(N + rank) % device_count`` of the GPUs this process sees (a
+    Ray task sees only its own GPU, so there every rank gets ``cuda:0``).
+
+    Raises:
+        ValueError: CUDA requested but ``device_count`` is 0.
+    """
+    if not str(device).startswith("cuda"):
+        return device
+    if device_count < 1:
+        raise ValueError(f"device {device!r}: this process sees no CUDA device")
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{(base + rank) % device_count}"
+
+
+def check_devices_for_ranks(device: str, world_size: int, device_count: int) -> None:
+    """Start-up check for one machine (``mp`` backend): one GPU per rank.
+
+    Raises:
+        ValueError: fewer visible CUDA devices than ranks, naming both counts.
+    """
+    if str(device).startswith("cuda") and device_count < world_size:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} "
+                         f"ranks need {world_size} CUDA devices (one per rank); this "
+                         f"machine has {device_count}")
+
+
 def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
                          backend: str = "gloo",
                          timeout_s: float = 600.0) -> ParallelGroups:
     """Build this rank's tp and pp groups over ``store`` (collective: every rank of the
     world calls it with the same config). Each group is its own backend object over a
-    ``PrefixStore`` (``"tp<i>/"``, ``"pp<i>/"``); no default group is created.
+    ``PrefixStore`` (``"tp<i>/"``, ``"pp<i>/"``); no default group is created. With
+    ``nccl`` each group also gets its gloo ``cpu_group`` (``"tp<i>/cpu/"``, ...) for
+    objects; the caller has already chosen this rank's GPU (``torch.cuda.set_device``).
 
     Args:
         config: the parallel layout; ``world_size = tp x pp``.
@@ -167,6 +222,9 @@ def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
         store: a rendezvous store every rank reaches (a ``TCPStore`` on loopback).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA, one process per device).
         timeout_s: how long a collective may wait for a peer before it raises.
+
+    Raises:
+        ValueError: an unknown backend.
     """
     world = config.world_size
     tp_size = config.tensor_parallel_size
@@ -174,17 +232,22 @@ def init_parallel_groups(config: ParallelConfig, rank: int, store: dist.Store,
     tp_ranks = [tp_index * tp_size + t for t in range(tp_size)]
     pp_ranks = [p * tp_size + pp_index for p in range(world // tp_size)]
     timeout = datetime.timedelta(seconds=timeout_s)
-    tp_group = _backend(backend, dist.PrefixStore(f"tp{tp_index}/", store),
-                        tp_ranks.index(rank), len(tp_ranks), timeout)
-    pp_group = _backend(backend, dist.PrefixStore(f"pp{pp_index}/", store),
-                        pp_ranks.index(rank), len(pp_ranks), timeout)
-    tp_coord = GroupCoordinator(tp_group, tp_ranks, rank)
+
+    def coordinator(prefix: str, ranks: list[int]) -> GroupCoordinator:
+        group_store = dist.PrefixStore(prefix, store)
+        group = _backend(backend, group_store, ranks.index(rank), len(ranks), timeout)
+        cpu_group = None
+        if backend == "nccl":
+            cpu_group = _backend("gloo", dist.PrefixStore("cpu/", group_store),
+                                 ranks.index(rank), len(ranks), timeout)
+        return GroupCoordinator(group, ranks, rank, cpu_group)
+
+    tp_coord = coordinator(f"tp{tp_index}/", tp_ranks)
+    pp_coord = coordinator(f"pp{pp_index}/", pp_ranks)
     world_coord = tp_coord
     if world > tp_size:  # pipeline stages: one more group over every rank, for the steps
-        world_coord = GroupCoordinator(_backend(backend, dist.PrefixStore("world/", store),
-                                                rank, world, timeout), list(range(world)), rank)
-    return ParallelGroups(rank, world, tp_coord, GroupCoordinator(pp_group, pp_ranks, rank),
-                          world_coord)
+        world_coord = coordinator("world/", list(range(world)))
+    return ParallelGroups(rank, world, tp_coord, pp_coord, world_coord)
 
 
 def _backend(backend: str, store: dist.Store, rank: int, size: int,
@@ -195,6 +258,8 @@ def _backend(backend: str, store: dist.Store, rank: int, size: int,
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError("backend 'nccl' (device cuda): this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -55,6 +55,25 @@ def _import_ray():
     return ray
 
 
+def init_ray() -> bool:
+    """Connect to the Ray cluster ``RAY_ADDRESS`` names, or start a local Ray, unless
+    Ray is already up; True when this call started it (its caller then owns
+    ``ray.shutdown()``). Call it from the main thread where one exists: ``ray.init``
+    installs its SIGTERM handler only there (elsewhere it warns), and a server that
+    calls it before its own signal handlers go in keeps Ray's C++ failure handler from
+    printing a stack trace on every SIGTERM (``llmserve serve`` does).
+
+    Raises:
+        RuntimeError: Ray is not installed.
+    """
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+             logging_level=logging.WARNING)
+    return True
+
+
 class RayWorkers(RankFailures):
     """Ranks ``1 .. world_size - 1`` of one engine as Ray tasks (the interface of
     :class:`~llmserve.distributed.multiproc.WorkerProcesses`).
@@ -85,10 +104,7 @@ class RayWorkers(RankFailures):
             raise ValueError(f"LLMSERVE_RAY_PLACEMENT_STRATEGY must be one of "
                              f"{list(PLACEMENT_STRATEGIES)}, got {strategy!r}")
         self.world_size, self.timeout_s = world_size, timeout_s
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:  # RAY_ADDRESS names a cluster; without it a local Ray starts
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                     logging_level=logging.WARNING)
+        self._owns_ray = init_ray()  # RAY_ADDRESS names a cluster, else a local Ray
         self._ray = ray
         self._failure: RankFailedError | None = None
         self._closing = False

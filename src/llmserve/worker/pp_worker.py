@@ -23,7 +23,6 @@ the same tp rank of the next stage. Hidden states cross the pipe in the model dt
 
 from __future__ import annotations
 
-import pickle
 
 import torch
 
@@ -92,7 +91,8 @@ class PipelineStageMixin:
         else:
             # [2, num_tokens, hidden_size]: hidden_states, residual of the previous stage
             pair = pp.recv(torch.empty((2, input_ids.shape[0], self.hidden_size),
-                                       dtype=self.dtype), stage - 1, TAG_HIDDEN)
+                                       dtype=self.dtype, device=self.device),
+                           stage - 1, TAG_HIDDEN)
             out = self.model(input_ids, positions, self.kv_caches, attn_metadata,
                              (pair[0], pair[1]))
         if self.groups.is_last_stage:
@@ -115,12 +115,7 @@ class PipelineStageMixin:
         if not self.is_driver or sched.total_num_scheduled_tokens == 0:
             return
         self._pending_sends = [(w, b) for w, b in self._pending_sends if not w.is_completed()]
-        payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        group = self.groups.pp.group
-        self._pending_sends.append((group.send([size], 0, TAG_OUTPUT), size))
-        self._pending_sends.append((group.send([data], 0, TAG_OUTPUT), data))
+        self._pending_sends += self.groups.pp.isend_object(out, 0, TAG_OUTPUT)
 
 
 class PPDriverRunner(PipelineStageMixin, DriverRunner):

@@ -30,7 +30,13 @@ import torch.distributed as dist
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.multiproc import RankFailedError, WorkerProcesses
-from llmserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
+from llmserve.distributed.parallel_state import (
+    ParallelGroups,
+    backend_for_device,
+    check_devices_for_ranks,
+    init_parallel_groups,
+    rank_device,
+)
 from llmserve.loader import ModelSource
 from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.utils import format_size
@@ -76,6 +82,11 @@ class TPExecutor:
             RankFailedError: a rank failed to start or missed the start-up timeout.
         """
         pc = config.parallel_config
+        backend = backend_for_device(config.device)
+        if backend == "nccl":  # one GPU per rank; the driver's is its own config.device
+            if pc.distributed_executor_backend != "ray":
+                check_devices_for_ranks(config.device, pc.world_size, torch.cuda.device_count())
+            torch.cuda.set_device(rank_device(config.device, 0, torch.cuda.device_count()))
         threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, threads_before // pc.world_size))  # as each worker does
         payload = (config, source, quantization)
@@ -92,7 +103,7 @@ class TPExecutor:
             workers = WorkerProcesses(run_worker, payload, pc.world_size, pc.startup_timeout_s)
         try:
             workers.wait_for("joined")
-            groups = init_parallel_groups(pc, 0, workers.store, "gloo", STEP_TIMEOUT_S)
+            groups = init_parallel_groups(pc, 0, workers.store, backend, STEP_TIMEOUT_S)
         except BaseException:
             workers.shutdown()
             torch.set_num_threads(threads_before)
@@ -222,7 +233,12 @@ def run_worker(rank: int, store: dist.Store, payload: tuple) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(message)s")
     from llmserve.planner.ledger import kv_cache_bytes_per_token
 
-    groups = init_parallel_groups(config.parallel_config, rank, store, "gloo", STEP_TIMEOUT_S)
+    backend = backend_for_device(config.device)
+    if backend == "nccl":  # this rank's own GPU, before NCCL or the loader touch one
+        device = rank_device(config.device, rank, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        config = dataclasses.replace(config, device=device)
+    groups = init_parallel_groups(config.parallel_config, rank, store, backend, STEP_TIMEOUT_S)
     model, _ = load_model(config, source, quantization, groups.tp, groups.pp_rank)
     store.set(f"ready/{rank}", "1")
     bytes_per_token = kv_cache_bytes_per_token(config.model_config, config.dtype,

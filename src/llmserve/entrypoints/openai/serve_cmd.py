@@ -157,6 +157,18 @@ def _graceful_server_class(uvicorn):
     return GracefulServer
 
 
+def _init_ray_in_main_thread(engine_args) -> bool:
+    """``--distributed-executor-backend ray`` with several ranks: start or join Ray here,
+    before the model loads on its thread and before uvicorn's signal handlers go in
+    (``ray_executor.init_ray``); True when this process started it."""
+    if (engine_args.distributed_executor_backend != "ray"
+            or engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size == 1):
+        return False
+    from llmserve.distributed.ray_executor import init_ray
+
+    return init_ray()
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Bind, serve until SIGTERM/SIGINT, return the exit code (0, or 1 if the model
     failed to load).
@@ -185,6 +197,7 @@ def run_server(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)  # ValueError: malformed
     if (lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    ray_owned = _init_ray_in_main_thread(engine_args)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -235,6 +248,10 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+        if ray_owned:
+            import ray
+
+            ray.shutdown()
     code = app.state.server.exit_code
     if code and app.state.server.fatal_error is not None:
         print(f"llmserve serve: error: the engine died: {app.state.server.fatal_error}",
