@@ -117,18 +117,10 @@ def test_cuda_engine_matches_the_cpu_engine(llm_fp32):
 @pytest.mark.real_model
 @pytest.mark.skipif(GPUS < 2, reason="NCCL needs one GPU per rank: two GPUs")
 def test_tp2_over_nccl_matches_one_gpu(qwen05_gguf):
-    from llmserve import LLM
-    from tests.test_tensor_parallel import PROMPTS, _outputs, check_logprobs_close
+    from tests.test_tensor_parallel import parallel_vs_single
 
-    kw = dict(model=qwen05_gguf, dtype="float32", device="cuda", kv_cache_memory="256MiB",
-              max_model_len=512, max_num_batched_tokens=24)
-    single = LLM(**kw)
-    ref = _outputs(single, PROMPTS[:3], 6)
-    del single
-    llm = LLM(tensor_parallel_size=2, **kw)
-    try:
+    def check(llm):
         assert llm.engine.runner.kv_caches[0][0].device.type == "cuda"
-        out = _outputs(llm, PROMPTS[:3], 6)
-    finally:
-        llm.engine.shutdown()
-    assert check_logprobs_close(ref, out, "1 GPU", "tp=2 NCCL") <= 1
+
+    assert parallel_vs_single(qwen05_gguf, check, tensor_parallel_size=2, device="cuda",
+                              kv_cache_memory="256MiB") <= 1

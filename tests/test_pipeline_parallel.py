@@ -137,21 +137,15 @@ def test_killed_last_stage_rank_ends_the_engine_naming_it(tp3_pp2):
 def test_tp2_pp2_qwen05_matches_single_process(qwen05_gguf):
     """The issue's tp x pp = 2 x 2 on Qwen2.5-Coder-0.5B (14 / 2 heads, 24 layers: 12 + 12),
     fp32, against the single-process engine on the same GGUF and settings."""
-    kw = dict(model=qwen05_gguf, dtype="float32", kv_cache_memory="48MiB",
-              max_model_len=512, max_num_batched_tokens=24)
-    prompts = PROMPTS[:3]
-    single = LLM(**kw)
-    ref = _outputs(single, prompts, 6)
-    del single
-    llm = LLM(tensor_parallel_size=2, pipeline_parallel_size=2, **kw)
-    try:
+    from tests.test_tensor_parallel import parallel_vs_single
+
+    def check(llm):
         groups = llm.engine.executor.groups
         assert (groups.tp.ranks, groups.pp.ranks) == ([0, 1], [0, 2])
         assert len(llm.engine.runner.kv_caches) == 12  # stage 0's layers
         assert llm.engine.runner.kv_caches[0][0].shape[2] == 1  # 2 KV heads / 2 ranks
-        out = _outputs(llm, prompts, 6)
-    finally:
-        llm.engine.shutdown()
-    parted = check_logprobs_close(ref, out, "tp=1 pp=1", "tp=2 pp=2")
+
+    parted = parallel_vs_single(qwen05_gguf, check, tensor_parallel_size=2,
+                                pipeline_parallel_size=2)
     assert parted <= 1, parted
-    print(f"Qwen2.5-0.5B tp=2 x pp=2 vs single fp32: {parted} of {len(prompts)} parted")
+    print(f"Qwen2.5-0.5B tp=2 x pp=2 vs single fp32: {parted} of 3 parted")

@@ -205,24 +205,35 @@ def test_tp3_native_int4_matches_tp1_native():
     print(f"tp=3 vs tp=1 gguf-native bf16: {parted} of 4 parted at a near-tie")
 
 
-@pytest.mark.real_model
-def test_tp2_qwen05_fp32_matches_single_process(qwen05_gguf):
-    """14 query heads / 2 KV heads: 7 + 1 per rank; untied? no, tied 151936-row vocab."""
-    kw = dict(model=qwen05_gguf, dtype="float32", kv_cache_memory="48MiB",
+def parallel_vs_single(model: str, check=None, prompts=PROMPTS[:3], **parallel) -> int:
+    """Greedy fp32 tokens of ``model`` on one process, then with ``parallel`` (e.g.
+    ``tensor_parallel_size=2``); ``check(llm)`` inspects the parallel engine before it
+    shuts down. Returns the near-tie partings (check_logprobs_close)."""
+    kw = dict(model=model, dtype="float32", kv_cache_memory="48MiB",
               max_model_len=512, max_num_batched_tokens=24)
-    prompts = PROMPTS[:3]
+    kw.update({k: parallel.pop(k) for k in ("device", "kv_cache_memory") if k in parallel})
     single = LLM(**kw)
     ref = _outputs(single, prompts, 6)
     del single
-    llm = LLM(tensor_parallel_size=2, **kw)
+    llm = LLM(**parallel, **kw)
     try:
-        assert llm.engine.runner.kv_caches[0][0].shape[2] == 1
+        if check is not None:
+            check(llm)
         out = _outputs(llm, prompts, 6)
     finally:
         llm.engine.shutdown()
-    parted = check_logprobs_close(ref, out, "tp=1", "tp=2")
+    return check_logprobs_close(ref, out, "single", f"{parallel}")
+
+
+@pytest.mark.real_model
+def test_tp2_qwen05_fp32_matches_single_process(qwen05_gguf):
+    """14 query heads / 2 KV heads: 7 + 1 per rank; a tied 151936-row vocabulary."""
+    def check(llm):
+        assert llm.engine.runner.kv_caches[0][0].shape[2] == 1
+
+    parted = parallel_vs_single(qwen05_gguf, check, tensor_parallel_size=2)
     assert parted <= 1, parted
-    print(f"Qwen2.5-0.5B tp=2 vs tp=1 fp32: {parted} of {len(prompts)} parted at a near-tie")
+    print(f"Qwen2.5-0.5B tp=2 vs tp=1 fp32: {parted} of 3 parted at a near-tie")
 
 
 # ------------------------------------------------------------------ faults: server

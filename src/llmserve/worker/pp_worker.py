@@ -23,7 +23,6 @@ the same tp rank of the next stage. Hidden states cross the pipe in the model dt
 
 from __future__ import annotations
 
-
 import torch
 
 from llmserve.config import EngineConfig
