@@ -23,7 +23,6 @@ capacity 2x, perplexity within 1% (int8) / 2% (fp8) of bfloat16 KV.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import math
@@ -39,19 +38,14 @@ DTYPES = ("bfloat16", "int8", "fp8_e4m3")
 def build_engines(kv_cache_memory: str, max_model_len: int):
     """One engine per KV dtype on one set of weights: {dtype: LLMEngine}."""
     from llmserve.engine.arg_utils import EngineArgs
+    from llmserve.engine.kv_quality import kv_dtype_variants
     from llmserve.engine.llm_engine import LLMEngine
 
     first = LLMEngine.from_engine_args(EngineArgs(
         dtype="bfloat16", quantization="gguf-hybrid", enable_prefix_caching=False,
         max_num_seqs=64, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
         kv_cache_dtype=DTYPES[0]))
-    engines = {DTYPES[0]: first}
-    cfg = first.config
-    for kv in DTYPES[1:]:
-        variant = dataclasses.replace(
-            cfg, cache_config=dataclasses.replace(cfg.cache_config, kv_cache_dtype=kv))
-        engines[kv] = LLMEngine(variant, first.tokenizer, first.runner.model)
-    return engines
+    return {DTYPES[0]: first, **kv_dtype_variants(first, list(DTYPES[1:]))}
 
 
 def _start(engine, tag: str, prompts: list[list[int]], max_tokens: int) -> list[str]:

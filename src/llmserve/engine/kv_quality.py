@@ -90,10 +90,19 @@ def build_engines(model: str | None, kv_cache_dtypes: list[str], num_tokens: int
         max_num_seqs=1, max_model_len=num_tokens + block_size,
         max_num_batched_tokens=max(num_tokens + block_size, 2048), block_size=block_size,
         num_gpu_blocks_override=blocks))
-    engines = {"auto": first}
+    return {"auto": first, **kv_dtype_variants(first, kv_cache_dtypes)}
+
+
+def kv_dtype_variants(first, kv_cache_dtypes: list[str]) -> dict[str, Any]:
+    """``{kv_cache_dtype: LLMEngine}``: engines on ``first``'s weights, tokenizer and
+    settings that differ only in the KV cache dtype (each its own fresh pool); a dtype
+    equal to ``first``'s configured one is skipped."""
+    from llmserve.engine.llm_engine import LLMEngine
+
     cfg = first.config
+    engines = {}
     for kv in kv_cache_dtypes:
-        if kv in engines:
+        if kv in engines or kv == cfg.cache_config.kv_cache_dtype:
             continue
         variant = dataclasses.replace(
             cfg, cache_config=dataclasses.replace(cfg.cache_config, kv_cache_dtype=kv))
