@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-prompts", type=int, default=256, help="blackbox: prompts (256)")
     p.add_argument("--eval-text", default=None,
                    help="text file for the before/after report (default: built-in eval)")
+    p.add_argument("--keep-sparsity", action="store_true",
+                   help="sparse fine-tuning: the zeros of a pruned --student stay zero")
     p.add_argument("--no-eval", action="store_true", help="skip the before/after report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -74,7 +76,8 @@ def _run_distill(args: argparse.Namespace) -> int:
         lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         batch_size=args.batch_size, seq_len=args.seq_len, save_every=args.save_every,
         resume=args.resume, seed=args.seed, max_prompts=args.max_prompts,
-        eval_text=args.eval_text, evaluate=not args.no_eval, progress=not args.no_progress)
+        eval_text=args.eval_text, evaluate=not args.no_eval, progress=not args.no_progress,
+        keep_sparsity=args.keep_sparsity)
     result = distill(opts)
     if args.json:
         print(json.dumps(result.as_dict()))

@@ -57,7 +57,8 @@ CKPT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
 # options that must match for --resume to continue the same run
 RESUME_KEYS = ("loss", "temperature", "jsd_beta", "hidden_loss_weight", "mode", "grad_accum",
-               "lr", "batch_size", "seq_len", "seed", "weight_decay", "max_grad_norm")
+               "lr", "batch_size", "seq_len", "seed", "weight_decay", "max_grad_norm",
+               "keep_sparsity")
 
 
 @dataclass
@@ -67,7 +68,8 @@ class DistillOptions:
     ``student`` is a model (HF directory, GGUF, name); ``student_from_teacher`` a spec
     (``"drop every other layer"``); exactly one is given. ``via``: intermediate students
     (each a model or a spec applied to the previous stage). ``lr`` is AdamW's learning
-    rate, ``save_every`` 0 = no checkpoints."""
+    rate, ``save_every`` 0 = no checkpoints. ``keep_sparsity``: sparse fine-tuning, the
+    zeros of the student's linears (a ``llmserve prune`` output) stay zero."""
 
     teacher: str | None
     output: str
@@ -94,6 +96,7 @@ class DistillOptions:
     eval_text: str | None = None
     evaluate: bool = True
     progress: bool = True
+    keep_sparsity: bool = False
 
 
 def check_options(o: DistillOptions) -> None:
@@ -222,6 +225,24 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def sparsity_masks(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``[(weight, keep)]`` for every linear below the LM head that holds zeros, ``keep``
+    a bool tensor of the weight's shape (True = not pruned). Re-applied after each
+    optimizer step, it holds the pruning mask while the rest trains (the sparse
+    fine-tuning of SparseGPT section 5 / Wanda's LoRA recovery, here on all weights).
+
+    Raises:
+        ValueError: no linear holds a zero (the student was never pruned).
+    """
+    masks = [(m.weight, m.weight.detach() != 0) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
+    masks = [(w, keep) for w, keep in masks if not bool(keep.all())]
+    if not masks:
+        raise ValueError("--keep-sparsity: the student's linears hold no zeros; pass a "
+                         "pruned student (llmserve prune ... --output DIR; --student DIR)")
+    return masks
+
+
 def train(student, teacher, samples: list[tuple[list[int], int]], o: DistillOptions,
           ckpt_path: str | None = None) -> list[float]:
     """Run ``o.steps`` optimizer steps on ``student`` in place; returns the loss of
@@ -240,6 +261,7 @@ def train(student, teacher, samples: list[tuple[list[int], int]], o: DistillOpti
     projection = None
     if o.hidden_loss_weight > 0:
         projection = HiddenProjection(student.config.hidden_size, teacher.config.hidden_size)
+    masks = sparsity_masks(student) if o.keep_sparsity else []
     params = list(student.parameters()) + (list(projection.parameters()) if projection else [])
     opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
     step, position, history = 0, 0, []
@@ -261,6 +283,9 @@ def train(student, teacher, samples: list[tuple[list[int], int]], o: DistillOpti
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
         opt.step()
+        with torch.no_grad():
+            for weight, keep in masks:
+                weight.mul_(keep)
         step += 1
         history.append(total)
         bar.update(1)
