@@ -126,7 +126,7 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
             step.kv_format, code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(),
             value_cache.data_ptr(), step.num_blocks, table.data_ptr(), table.shape[1],
             table.stride(0), step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim,
-            step.block_size, attn.attn.scale, window, step.num_threads),
+            step.block_size, attn.attn.scale, window, step.num_threads, None, None),
             "paged_attention_decode_quant")
     else:
         check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
@@ -136,7 +136,7 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
             code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
             step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0),
             step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim, step.block_size,
-            attn.attn.scale, window, step.num_threads), "paged_attention_decode")
+            attn.attn.scale, window, step.num_threads, None, None), "paged_attention_decode")
     hidden = attn.o_proj.matmul_fn()(out)
     norm = layer.post_attention_layernorm
     x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)
