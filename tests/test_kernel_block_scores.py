@@ -154,3 +154,79 @@ def test_bad_block_score_arrays_are_errors(kernels):
     with pytest.raises(ValueError, match="sequences"):
         _run(kernels, None, query, key_cache, value_cache, md.block_table, md.seq_lens, scale,
              None, 1, _fresh(want)[:2])
+
+
+def _mixed_step(window, prompt_first_row):
+    """Two decodes (one over three spans) then two prompt chunks; KV of the step's
+    tokens given as K/V rows (the backend writes them)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 9, 3, 64
+    key_cache = torch.randn(200, BS, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(key_cache.shape, generator=gen)
+    query_lens, seq_lens = [1, 1, 20, 9], [1100, 40, 60, 9]
+    perm = (torch.randperm(199, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used:used + -(-n // BS)])
+        used += len(tables[-1])
+    md = CommonAttentionMetadata.from_lists(query_lens, seq_lens, tables, BS)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, heads, dim, generator=gen)
+    key = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    value = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    requests = {0: 0, 1: 0}  # both decodes scored
+    if prompt_first_row is not None:
+        requests[2] = prompt_first_row  # SnapKV's window rows of the first prompt
+    return query, key, value, key_cache, value_cache, md, tables, requests
+
+
+@pytest.mark.parametrize("layer_window", [None, 600])
+@pytest.mark.parametrize("prompt_first_row", [None, 12])
+def test_cpu_backend_scores_decodes_in_the_kernel(kernels, layer_window, prompt_first_row):
+    """A mixed step: the decode rows' scores come from the C kernel and equal the PyTorch
+    scored path; their outputs are the unscored step's bits. A scored prompt takes the
+    scored path; with none scored the prompt rows are the unscored step's bits too."""
+    from llmserve.layers.attention import scored
+    from llmserve.layers.attention.cpu import CpuAttentionBackend
+
+    query, key, value, key_cache, value_cache, md, tables, requests = _mixed_step(
+        layer_window, prompt_first_row)
+    backend = CpuAttentionBackend(9, 64, 3, 0.125, sliding_window=layer_window)
+
+    def run(scores, kernel_scores=True):
+        common = CommonAttentionMetadata.from_lists(md.query_lens, md.seq_lens_list, tables, BS)
+        common.block_scores = None if scores is None else {
+            i: BlockScoreRequest(r, torch.zeros(len(tables[i]))) for i, r in scores.items()}
+        kc, vc = key_cache.clone(), value_cache.clone()
+        saved, scored.KERNEL_DECODE_SCORES = scored.KERNEL_DECODE_SCORES, kernel_scores
+        try:
+            out = backend.forward(query, key, value, kc, vc,
+                                  CpuAttentionBackend.build_metadata(common))
+        finally:
+            scored.KERNEL_DECODE_SCORES = saved
+        return out, {i: r.scores for i, r in (common.block_scores or {}).items()}
+
+    plain, _ = run(None)
+    got, got_scores = run(requests)
+    want, want_scores = run(requests, kernel_scores=False)  # every row through PyTorch
+    assert torch.equal(got[:2], plain[:2])  # decode rows: the kernel, scored or not
+    if prompt_first_row is None:
+        assert torch.equal(got[2:], plain[2:])
+    else:
+        assert torch.equal(got[2:], want[2:])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert got_scores.keys() == want_scores.keys()
+    for i in got_scores:
+        torch.testing.assert_close(got_scores[i], want_scores[i], atol=2e-6, rtol=1e-4)
+    assert float(got_scores[0].sum()) == pytest.approx(9.0, rel=1e-5)
+    # the halves of a mixed step (models/llama.py runs decode and prompt rows apart)
+    common = CommonAttentionMetadata.from_lists(md.query_lens, md.seq_lens_list, tables, BS)
+    common.block_scores = {i: BlockScoreRequest(r, torch.zeros(len(tables[i])))
+                           for i, r in requests.items()}
+    decodes, prompts = CpuAttentionBackend.build_metadata(common).split_decodes()
+    kc, vc = key_cache.clone(), value_cache.clone()
+    halves = torch.cat([backend.forward(query[:2], key[:2], value[:2], kc, vc, decodes),
+                        backend.forward(query[2:], key[2:], value[2:], kc, vc, prompts)])
+    assert torch.equal(halves, got)
+    for i, r in common.block_scores.items():
+        assert torch.equal(r.scores, got_scores[i])
