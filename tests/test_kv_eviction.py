@@ -302,9 +302,12 @@ def _h2o_trace(engine, prompts, new):
     return tokens, trace
 
 
-def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypatch,
+                                                                  kv_cache_dtype):
     """H2O's decode rows take the C decode kernel's score accumulator (no decode row runs
-    the PyTorch scored path); tokens, evictions and scores equal the all-PyTorch path's."""
+    the PyTorch scored path); tokens, evictions and scores equal the all-PyTorch path's
+    (float32 pages, and int8 pages: the PyTorch path reads them dequantized)."""
     from llmserve.layers.attention import scored
     from tests.conftest import engine_variant
 
@@ -322,7 +325,8 @@ def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypa
     for kernel in (True, False):
         monkeypatch.setattr(scored, "KERNEL_DECODE_SCORES", kernel)
         calls.clear()
-        engine = engine_variant(base, cache={"num_gpu_blocks_override": 40}).engine
+        engine = engine_variant(base, cache={"num_gpu_blocks_override": 40,
+                                             "kv_cache_dtype": kv_cache_dtype}).engine
         runs[kernel] = _h2o_trace(engine, prompts, 48)
         assert any(calls) is not kernel  # the kernel run sends prompt rows only
     (tok_k, trace_k), (tok_p, trace_p) = runs[True], runs[False]
