@@ -96,14 +96,14 @@ def kernel_rows(args) -> list[dict]:
         scores = live.block_score_arrays([torch.zeros(nb)])
         out = q.new_empty(1, H, D)
 
-        def call(fn, *extra):
-            return fn(1, out.data_ptr(), q.data_ptr(), H * D, kc.data_ptr(),
-                      vc.data_ptr(), nb + 1, table.data_ptr(), nb, nb, lens.data_ptr(), 1, H,
-                      Hkv, D, bs, D ** -0.5, 0, threads, *extra)
-
-        arms = {"baseline": functools.partial(call, base._lib.paged_attention_decode),
-                "no_scores": functools.partial(call, live._paged_attention_decode, None, None),
-                "scores": functools.partial(call, live._paged_attention_decode,
+        # dtype, out, query, q_stride, caches, num_blocks, table, width, stride, seq_lens,
+        # num_seqs, heads, kv heads, head_dim, block_size, scale, window, threads
+        call = (1, out.data_ptr(), q.data_ptr(), H * D, kc.data_ptr(), vc.data_ptr(), nb + 1,
+                table.data_ptr(), nb, nb, lens.data_ptr(), 1, H, Hkv, D, bs, D ** -0.5, 0,
+                threads)
+        arms = {"baseline": functools.partial(base._lib.paged_attention_decode, *call),
+                "no_scores": functools.partial(live._paged_attention_decode, *call, None, None),
+                "scores": functools.partial(live._paged_attention_decode, *call,
                                             *scores.ptr_args(1, "bench"))}
         base._lib.paged_attention_decode.argtypes = live._paged_attention_decode.argtypes[:-2]
         ms: dict[str, list[float]] = {}
