@@ -279,3 +279,62 @@ def test_scored_attention_equals_reference_and_sums_probabilities(monkeypatch):
     probs = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).sum((0, 1))
     want = torch.nn.functional.pad(probs, (0, 1)).view(3, 4).sum(1)
     torch.testing.assert_close(md.block_scores[1].scores, want)
+
+
+def _h2o_trace(engine, prompts, new):
+    """Generate greedily under H2O with the second request joining after 5 steps (mixed
+    decode + prompt steps); per step, every request's kept blocks and block scores."""
+    from llmserve import SamplingParams
+
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                            kv_eviction_policy="h2o", kv_budget_tokens=BUDGET)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, params)
+    tokens, trace, steps = {}, [], 0
+    while engine.has_unfinished_requests():
+        if steps == 5:
+            engine.add_request("b", {"prompt_token_ids": prompts[1]}, params)
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        trace.append({rid: (list(r.eviction.logical), list(r.eviction.scores))
+                      for rid, r in sched.requests.items() if r.eviction is not None})
+    return tokens, trace
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypatch,
+                                                                  kv_cache_dtype):
+    """H2O's decode rows take the C decode kernel's score accumulator (no decode row runs
+    the PyTorch scored path); tokens, evictions and scores equal the all-PyTorch path's
+    (float32 pages, and int8 pages: the PyTorch path reads them dequantized)."""
+    from llmserve.layers.attention import scored
+    from tests.conftest import engine_variant
+
+    _, base = tiny
+    prompts = [_prompt(5), _prompt(6)[:40]]
+    calls = []
+    real = scored.scored_attention
+
+    def spy(backend, query, key_cache, value_cache, common, first_seq=0, end_seq=None):
+        calls.append(first_seq < common.num_decodes)  # a decode row sent to PyTorch
+        return real(backend, query, key_cache, value_cache, common, first_seq, end_seq)
+
+    monkeypatch.setattr(scored, "scored_attention", spy)
+    runs = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(scored, "KERNEL_DECODE_SCORES", kernel)
+        calls.clear()
+        engine = engine_variant(base, cache={"num_gpu_blocks_override": 40,
+                                             "kv_cache_dtype": kv_cache_dtype}).engine
+        runs[kernel] = _h2o_trace(engine, prompts, 48)
+        assert any(calls) is not kernel  # the kernel run sends prompt rows only
+    (tok_k, trace_k), (tok_p, trace_p) = runs[True], runs[False]
+    assert tok_k == tok_p and len(tok_k["a"]) == len(tok_k["b"]) == 48
+    assert len(trace_k) == len(trace_p)
+    for step_k, step_p in zip(trace_k, trace_p, strict=True):
+        assert step_k.keys() == step_p.keys()
+        for rid, (kept, scores) in step_k.items():
+            assert kept == step_p[rid][0]  # the same blocks evicted
+            torch.testing.assert_close(torch.tensor(scores), torch.tensor(step_p[rid][1]),
+                                       rtol=1e-4, atol=1e-4)

@@ -9,6 +9,7 @@ dimension, matching shapes) and raises ``ValueError`` otherwise; the layers call
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -41,15 +42,16 @@ _SIGNATURES = {
     "gguf_q8k_available": [],
     # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
     # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-    # block_size, scale, window, num_threads
+    # block_size, scale, window, num_threads, score_ptrs, score_lens
     "paged_attention_decode": [_INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I64,
-                               _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+                               _I64, _I64, _I64, _I64, _F32, _I64, _INT, _P, _P],
     # fmt, dtype, key_cache, value_cache, num_slots, key, key_stride, value, value_stride,
     # slot_mapping, num_tokens, num_kv_heads, head_dim
     "write_kv_quant": [_INT, _INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
     # fmt, then the arguments of paged_attention_decode
     "paged_attention_decode_quant": [_INT, _INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64,
-                                     _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+                                     _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT, _P,
+                                     _P],
 }
 
 
@@ -58,6 +60,8 @@ def check_status(status: int, what: str) -> None:
         raise ValueError(f"{what}: a slot or block id is outside the KV cache")
     if status == -4:
         raise ValueError(f"{what}: a seq_len is < 1 or longer than its block table")
+    if status == -6:
+        raise ValueError(f"{what}: a block score array is shorter than its sequence's blocks")
     if status != 0:
         raise ValueError(f"{what}: invalid arguments (kernel status {status})")
 
@@ -73,6 +77,28 @@ def _code(x: torch.Tensor, *others: torch.Tensor) -> int:
         raise ValueError(f"CPU kernels need CPU float32 or bfloat16 tensors of one dtype, got "
                          f"{[(t.dtype, t.device.type) for t in (x, *others)]}")
     return code
+
+
+@dataclass
+class BlockScoreArrays:
+    """Per-sequence block score accumulators for the decode kernels (KV eviction by
+    attention: H2O, Zhang et al. 2023; SnapKV, Li et al. 2024). Build it with
+    :meth:`CpuKernels.block_score_arrays`; it keeps the arrays alive.
+
+    ``ptrs`` ``[S]`` int64: each array's address, 0 for a sequence that is not scored;
+    ``lens`` ``[S]`` int64: its length in blocks.
+    """
+
+    ptrs: torch.Tensor
+    lens: torch.Tensor
+    arrays: list[torch.Tensor | None]
+
+    def ptr_args(self, num_seqs: int, what: str) -> tuple[int, int]:
+        """``(ptrs, lens)`` addresses for a call over ``num_seqs`` sequences."""
+        if self.ptrs.shape != (num_seqs,):
+            raise ValueError(f"{what}: block scores for {self.ptrs.shape[0]} sequences, "
+                             f"the call has {num_seqs}")
+        return self.ptrs.data_ptr(), self.lens.data_ptr()
 
 
 class CpuKernels:
@@ -308,11 +334,31 @@ class CpuKernels:
                                         codes.data_ptr(), scales.data_ptr()), "q8k_quantize")
         return codes, scales
 
+    @staticmethod
+    def block_score_arrays(arrays: list[torch.Tensor | None]) -> BlockScoreArrays:
+        """The ``block_scores`` argument of the decode kernels: per sequence a float32 CPU
+        contiguous ``[>= num_blocks]`` accumulator (one entry per block of its block
+        table), or None for a sequence that is not scored. The arrays must not overlap.
+
+        Raises:
+            ValueError: an array of another dtype, device, rank or layout.
+        """
+        for t in arrays:
+            if t is not None and (t.dtype != torch.float32 or not t.is_cpu or t.dim() != 1
+                                  or not t.is_contiguous()):
+                raise ValueError(f"block scores must be contiguous 1-D float32 CPU tensors, "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        ptrs = torch.tensor([0 if t is None else t.data_ptr() for t in arrays],
+                            dtype=torch.int64)
+        lens = torch.tensor([0 if t is None else t.numel() for t in arrays], dtype=torch.int64)
+        return BlockScoreArrays(ptrs, lens, list(arrays))
+
     def paged_attention_decode(self, query: torch.Tensor, key_cache: torch.Tensor,
                                value_cache: torch.Tensor, block_table: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None,
-                               num_threads: int = 1) -> torch.Tensor:
+                               num_threads: int = 1,
+                               block_scores: BlockScoreArrays | None = None) -> torch.Tensor:
         """Attention of one query token per sequence over its paged context.
 
         Args:
@@ -323,13 +369,17 @@ class CpuKernels:
                 already written).
             scale: score scale (``head_dim ** -0.5``); sliding_window: keys within the
                 last ``window`` positions only; num_threads: split over threads when large.
+            block_scores: optional accumulators (:meth:`block_score_arrays`): for each
+                scored sequence, ``scores[b] +=`` the softmax probability its query heads
+                put on block ``b``'s attended keys, summed over the heads (from the
+                kernel's own split-K softmax: ``cpu_kernels_attn_scores.c``).
 
         Returns:
             ``[S, H, D]`` in the query dtype (float32 softmax and accumulation).
 
         Raises:
             ValueError: a block id outside the cache, a seq_len beyond its block table,
-                or mismatched shapes.
+                a score array too short, or mismatched shapes.
         """
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -345,12 +395,14 @@ class CpuKernels:
             raise ValueError("paged_attention_decode: int64 CPU block_table [S, B] (rows "
                              "contiguous) and seq_lens [S] needed")
         code = _code(query, key_cache, value_cache)
+        ptrs, lens = (None, None) if block_scores is None else \
+            block_scores.ptr_args(num_seqs, "paged_attention_decode")
         out = query.new_empty((num_seqs, num_heads, head_dim))
         check_status(self._paged_attention_decode(
             code, out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
             value_cache.data_ptr(), num_blocks, block_table.data_ptr(), block_table.shape[1],
             block_table.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
-            head_dim, block_size, scale, sliding_window or 0, num_threads),
+            head_dim, block_size, scale, sliding_window or 0, num_threads, ptrs, lens),
             "paged_attention_decode")
         return out
 
@@ -391,10 +443,13 @@ class CpuKernels:
                                      key_cache: torch.Tensor, value_cache: torch.Tensor,
                                      block_table: torch.Tensor, seq_lens: torch.Tensor,
                                      scale: float, sliding_window: int | None = None,
-                                     num_threads: int = 1) -> torch.Tensor:
+                                     num_threads: int = 1,
+                                     block_scores: BlockScoreArrays | None = None
+                                     ) -> torch.Tensor:
         """:meth:`paged_attention_decode` over quantized caches ``[blocks, bs, Hkv, D + 2]``
         (``fmt`` ``"int8"`` or ``"fp8_e4m3"``): each position's rows are dequantized in the
         kernel's loop (codes times the row's fp16 scale), never a whole block.
+        ``block_scores`` as there.
 
         Returns:
             ``[S, H, D]`` in the query dtype (float32 softmax and accumulation).
@@ -420,11 +475,13 @@ class CpuKernels:
             raise ValueError("paged_attention_decode_quant: int64 CPU block_table [S, B] (rows "
                              "contiguous) and seq_lens [S] needed")
         dt = _code(query)
+        ptrs, lens = (None, None) if block_scores is None else \
+            block_scores.ptr_args(num_seqs, "paged_attention_decode_quant")
         out = query.new_empty((num_seqs, num_heads, head_dim))
         check_status(self._paged_attention_decode_quant(
             code, dt, out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
             value_cache.data_ptr(), num_blocks, block_table.data_ptr(), block_table.shape[1],
             block_table.stride(0), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
-            head_dim, block_size, scale, sliding_window or 0, num_threads),
+            head_dim, block_size, scale, sliding_window or 0, num_threads, ptrs, lens),
             "paged_attention_decode_quant")
         return out

@@ -62,14 +62,18 @@ typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride;
     int64_t window;
     float scale;
+    /* block score accumulators (cpu_kernels_attn_scores.c): NULL, or per sequence a
+     * float32 array's address (0: not scored) and its length */
+    const int64_t *score_ptrs, *score_lens;
 } attn_args;
 
 /* One work item: positions [start, start + n) of sequence seq. part: NULL when the span
  * is its sequence's only one (the output is written directly), else the span's
- * [num_heads][2 + head_dim] floats (m, l, o) for the combine pass. */
+ * [num_heads][2 + head_dim] floats (m, l, o) for the combine pass. blk: a split span of a
+ * scored sequence, its per head block sums [num_heads][blocks of the span]; else NULL. */
 typedef struct {
     int64_t seq, start, n;
-    float *part;
+    float *part, *blk;
 } attn_span;
 
 /* Per-thread scratch of a span function: scores [H, n], qbuf [H * D], acc [H * D] (the
@@ -102,6 +106,7 @@ static inline __attribute__((always_inline)) void attend_core(
     const float scale = a->scale;
     acc += kvh * G * D;
     stats += kvh * G * 2;
+    scores += kvh * G * n;  /* (all heads' probabilities stay for the block scores) */
     for (int64_t g = 0; g < G; g++)
         load_row(dtype, qbuf + g * D,
                  (const char *)a->query + (sp->seq * a->q_stride + (kvh * G + g) * D) * es, D);
@@ -219,9 +224,12 @@ static void attend_span(const attn_args *a, int fmt, const attn_span *sp, float 
     }
 }
 
-/* The combine pass of one sequence's k > 1 spans (parts [k][H][2 + D]) -> out row. */
+#include "cpu_kernels_attn_scores.c"
+
+/* The combine pass of one sequence's k > 1 spans (parts [k][H][2 + D]) -> out row;
+ * final [H][2]: each head's overall max and softmax denominator. */
 static void combine_spans(const attn_args *a, int64_t seq, const float *parts, int64_t k,
-                          float *acc) {
+                          float *acc, float *final) {
     const int64_t H = a->num_heads, D = a->head_dim, stride = H * (2 + D);
     for (int64_t h = 0; h < H; h++) {
         float mx = -INFINITY, den = 0.f;
@@ -241,6 +249,8 @@ static void combine_spans(const attn_args *a, int64_t seq, const float *parts, i
         const float inv = 1.0f / den;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        final[2 * h] = mx;
+        final[2 * h + 1] = den;
     }
     store_row(a->dtype, (char *)a->out + seq * H * D * elem_size(a->dtype), acc, H * D);
 }
@@ -250,15 +260,18 @@ static inline int64_t attn_first(const attn_args *a, int64_t L) {
 }
 
 /* Checks the block table, cuts the spans, runs fn on every span over the threads, then
- * combines split sequences. 0, or -2 (no memory), -3 (a block id outside the pool), -4
- * (a sequence longer than its block table). */
+ * combines split sequences (and their block scores). 0, or -2 (no memory), -3 (a block
+ * id outside the pool), -4 (a sequence longer than its block table), -6 (a score array
+ * shorter than its sequence's blocks). */
 static int run_paged_decode(const attn_args *a, int fmt, attn_span_fn fn, int64_t num_blocks,
                             int64_t bt_width, int num_threads) {
     const int64_t S = a->num_seqs, H = a->num_heads, D = a->head_dim, bs = a->block_size;
-    int64_t total = 0, num_spans = 0, part_floats = 0, max_n = 1;
+    int64_t total = 0, num_spans = 0, part_floats = 0, blk_floats = 0, max_n = 1;
     for (int64_t s = 0; s < S; s++) {
         int64_t L = a->seq_lens[s];
         if (L < 1 || (L + bs - 1) / bs > bt_width) return -4;
+        const int scored = score_array(a, s) != NULL;
+        if (scored && a->score_lens[s] < (L + bs - 1) / bs) return -6;
         for (int64_t b = 0; b < (L + bs - 1) / bs; b++) {
             int64_t blk = a->block_table[s * a->bt_stride + b];
             if (blk < 0 || blk >= num_blocks) return -3;
@@ -267,19 +280,23 @@ static int run_paged_decode(const attn_args *a, int fmt, attn_span_fn fn, int64_
         total += n;
         num_spans += k;
         if (k > 1) part_floats += k * H * (2 + D);
+        if (k > 1 && scored)  /* a span of <= 512 positions touches <= 512 / bs + 2 blocks */
+            blk_floats += k * H * (ATTN_SPLIT_LEN / bs + 2);
         if (n > max_n) max_n = n;
     }
     if (max_n > ATTN_SPLIT_LEN) max_n = ATTN_SPLIT_LEN;
     attn_span *spans = malloc((size_t)(num_spans > 0 ? num_spans : 1) * sizeof(attn_span));
     float *parts = part_floats ? malloc((size_t)part_floats * sizeof(float)) : NULL;
-    int status = (!spans || (part_floats && !parts)) ? -2 : 0;
+    float *blks = blk_floats ? malloc((size_t)blk_floats * sizeof(float)) : NULL;
+    int status = (!spans || (part_floats && !parts) || (blk_floats && !blks)) ? -2 : 0;
     if (status) {
         free(spans);
         free(parts);
+        free(blks);
         return status;
     }
     int64_t i = 0;
-    float *p = parts;
+    float *p = parts, *pb = blks;
     for (int64_t s = 0; s < S; s++) {
         int64_t L = a->seq_lens[s], first = attn_first(a, L), n = L - first;
         int64_t k = (n + ATTN_SPLIT_LEN - 1) / ATTN_SPLIT_LEN;
@@ -289,6 +306,11 @@ static int run_paged_decode(const attn_args *a, int fmt, attn_span_fn fn, int64_
             spans[i].start = first + lo;
             spans[i].n = len;
             spans[i].part = k > 1 ? p + j * H * (2 + D) : NULL;
+            spans[i].blk = NULL;
+            if (k > 1 && score_array(a, s)) {
+                spans[i].blk = pb;
+                pb += H * span_num_blocks(a, spans + i);
+            }
         }
         if (k > 1) p += k * H * (2 + D);
     }
@@ -308,6 +330,7 @@ static int run_paged_decode(const attn_args *a, int fmt, attn_span_fn fn, int64_
             if (!buf) continue;
             const attn_span *sp = spans + t;
             fn(a, fmt, sp, scores, qbuf, kv, acc, stats);
+            if (a->score_ptrs && score_array(a, sp->seq)) span_block_scores(a, sp, scores);
             if (!sp->part) {
                 store_row(a->dtype, (char *)a->out + sp->seq * H * D * elem_size(a->dtype),
                           acc, H * D);
@@ -325,12 +348,15 @@ static int run_paged_decode(const attn_args *a, int fmt, attn_span_fn fn, int64_
             const attn_span *sp = spans + t;
             if (!buf || !sp->part || sp->start != attn_first(a, a->seq_lens[sp->seq])) continue;
             int64_t n = a->seq_lens[sp->seq] - sp->start;
-            combine_spans(a, sp->seq, sp->part, (n + ATTN_SPLIT_LEN - 1) / ATTN_SPLIT_LEN, acc);
+            int64_t k = (n + ATTN_SPLIT_LEN - 1) / ATTN_SPLIT_LEN;
+            combine_spans(a, sp->seq, sp->part, k, acc, stats);
+            if (sp->blk) combine_block_scores(a, sp, k, sp->part, stats, acc);
         }
         free(buf);
     }
     free(spans);
     free(parts);
+    free(blks);
     return status;
 }
 
@@ -339,11 +365,13 @@ int paged_attention_decode(int dtype, void *out, const void *query, int64_t q_st
                            const int64_t *block_table, int64_t bt_width, int64_t bt_stride,
                            const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0)
+                           float scale, int64_t window, int num_threads,
+                           const int64_t *score_ptrs, const int64_t *score_lens) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0 ||
+        (score_ptrs && !score_lens))
         return -1;
     attn_args a = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride,
-                   window, scale};
+                   window, scale, score_ptrs, score_lens};
     return run_paged_decode(&a, 0, attend_span, num_blocks, bt_width, num_threads);
 }

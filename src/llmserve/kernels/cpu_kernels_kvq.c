@@ -293,12 +293,14 @@ int paged_attention_decode_quant(int fmt, int dtype, void *out, const void *quer
                                  int64_t bt_stride, const int64_t *seq_lens, int64_t num_seqs,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t window,
-                                 int num_threads) {
+                                 int num_threads, const int64_t *score_ptrs,
+                                 const int64_t *score_lens) {
     if ((fmt != KVQ_INT8 && fmt != KVQ_FP8) || num_kv_heads <= 0 ||
-        num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0)
+        num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0 ||
+        (score_ptrs && !score_lens))
         return -1;
     attn_args a = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride,
-                   window, scale};
+                   window, scale, score_ptrs, score_lens};
     return run_paged_decode(&a, fmt, kvq_attend_span, num_blocks, bt_width, num_threads);
 }

@@ -49,6 +49,11 @@ class CpuDecodeStep:
     num_blocks: int  # KV cache blocks per layer
     block_size: int
     kv_format: int = -1  # quantized KV pages (layers/attention/kv_quant.py): format code
+    # KV eviction by attention: the decode kernels' block score accumulators (kernels/cpu.py
+    # BlockScoreArrays, kept alive here), or None; their (ptrs, lens) addresses
+    block_scores: Any = None
+    score_ptrs: int | None = None
+    score_lens: int | None = None
 
     @classmethod
     def build(cls, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -58,9 +63,13 @@ class CpuDecodeStep:
         kernels = get_cpu_kernels()
         md = attn_metadata
         if kernels is None or getattr(md, "num_prefills", 1) != 0 or \
-                getattr(md, "decode_block_table", None) is None or \
-                getattr(md, "block_scores", None) is not None:  # KV eviction: scored path
+                getattr(md, "decode_block_table", None) is None:
             return None
+        scores = None
+        if getattr(md, "block_scores", None) is not None:  # KV eviction: scored decodes
+            scores = _decode_score_arrays(md)
+            if scores is False:
+                return None
         code = DTYPE_CODES.get(hidden.dtype)
         key_cache = kv_caches[0][0]
         if code is None or not hidden.is_cpu or not hidden.is_contiguous() or \
@@ -81,16 +90,30 @@ class CpuDecodeStep:
         if table.shape[0] != num_tokens or seq_lens.shape != (num_tokens,) or \
                 slots.shape != (num_tokens,) or not seq_lens.is_contiguous():
             return None
+        ptrs, lens = (None, None) if scores is None else scores.ptr_args(num_tokens, "decode")
         return cls(kernels, code, num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                    table, seq_lens.data_ptr(), md.sliding_window or 0,
                    torch.get_num_threads(), key_cache.shape[0], key_cache.shape[1],
-                   -1 if fmt is None else KV_QUANT_FORMATS[fmt][0])
+                   -1 if fmt is None else KV_QUANT_FORMATS[fmt][0], scores, ptrs, lens)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; residual None: ``(norm(x), x)``."""
         out, res_out = self.kernels.rms_norm_unchecked(self.dtype_code, x, weight, eps, residual)
         return out, x if res_out is None else res_out
+
+
+def _decode_score_arrays(md: Any):
+    """The decode kernels' block score accumulators of a scored step (None: no row is
+    scored), or False where the C kernels cannot score it (the scored PyTorch path)."""
+    from llmserve.layers.attention import scored
+
+    if not scored.KERNEL_DECODE_SCORES or not hasattr(md, "decode_score_arrays"):
+        return False
+    try:
+        return md.decode_score_arrays()
+    except ValueError:  # accumulators the kernel cannot take (not float32 CPU)
+        return False
 
 
 def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
@@ -126,8 +149,8 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
             step.kv_format, code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(),
             value_cache.data_ptr(), step.num_blocks, table.data_ptr(), table.shape[1],
             table.stride(0), step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim,
-            step.block_size, attn.attn.scale, window, step.num_threads),
-            "paged_attention_decode_quant")
+            step.block_size, attn.attn.scale, window, step.num_threads, step.score_ptrs,
+            step.score_lens), "paged_attention_decode_quant")
     else:
         check_status(k._write_kv(code, key_cache.data_ptr(), value_cache.data_ptr(),
                                  step.num_blocks * step.block_size, key_ptr, row, value_ptr,
@@ -136,7 +159,8 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
             code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
             step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0),
             step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim, step.block_size,
-            attn.attn.scale, window, step.num_threads), "paged_attention_decode")
+            attn.attn.scale, window, step.num_threads, step.score_ptrs, step.score_lens),
+            "paged_attention_decode")
     hidden = attn.o_proj.matmul_fn()(out)
     norm = layer.post_attention_layernorm
     x, residual = step.rms_norm(hidden, norm.weight, norm.variance_epsilon, residual)

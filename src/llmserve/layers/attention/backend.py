@@ -46,7 +46,8 @@ class CommonAttentionMetadata:
     # included (Hugging Face Mistral semantics: key_pos > query_pos - window).
     sliding_window: int | None = None
     # KV eviction by attention: {sequence index: scored.BlockScoreRequest}; when set the
-    # step's attention runs through layers/attention/scored.py and sums block scores
+    # step's attention sums block scores (layers/attention/scored.py; on the "cpu" backend
+    # decode rows sum them in the C decode kernels)
     block_scores: dict | None = None
 
     @property

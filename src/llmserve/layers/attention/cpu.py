@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.kernels import get_cpu_kernels
+from llmserve.kernels.cpu import BlockScoreArrays, CpuKernels
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from llmserve.layers.attention.kv_quant import dequantize_kv, kv_cache_format
 
@@ -82,6 +83,8 @@ class CpuAttentionMetadata:
     quant_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
     # KV eviction wants block scores this step (layers/attention/scored.py), or None
     block_scores: dict | None = None
+    # [the decode rows' accumulators for the C decode kernels, or None], built on first use
+    decode_scores: list | None = None
 
     def for_window(self, window: int | None) -> CpuAttentionMetadata:
         """This step's metadata with sliding window ``window`` (self when it already is),
@@ -103,6 +106,30 @@ class CpuAttentionMetadata:
             variant = _build_metadata(dataclasses.replace(self.common, sliding_window=window))
             self.variants[window] = variant
         return variant
+
+    def step_common(self) -> CommonAttentionMetadata | None:
+        """The whole step's common metadata (a half of :meth:`split_decodes` has none)."""
+        if self.common is None and self.split_of is not None:
+            return self.split_of[0].common
+        return self.common
+
+    def decode_score_arrays(self) -> BlockScoreArrays | None:
+        """The decode rows' block score accumulators for the C decode kernels
+        (``kernels/cpu.py``; a decode row is scored when its ``BlockScoreRequest`` has
+        ``first_row <= 0``), built once per step; None when no decode row is scored.
+
+        Raises:
+            ValueError: accumulators the kernels cannot take (not float32 on the CPU).
+        """
+        if self.decode_scores is None:
+            reqs = self.block_scores or {}
+            arrays = []
+            for i in range(self.num_decodes):  # decodes are the step's first sequences
+                req = reqs.get(i)
+                arrays.append(req.scores if req is not None and req.first_row <= 0 else None)
+            self.decode_scores = [CpuKernels.block_score_arrays(arrays)
+                                  if any(a is not None for a in arrays) else None]
+        return self.decode_scores[0]
 
     def split_decodes(self) -> tuple[CpuAttentionMetadata, CpuAttentionMetadata]:
         """``(decodes only, prefills only)`` of a mixed step, for running the decode
@@ -279,11 +306,10 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata) -> torch.Tensor:
-        if metadata.block_scores is not None and metadata.common is not None:
-            from llmserve.layers.attention.scored import scored_attention  # KV eviction
+        if metadata.block_scores is not None and metadata.step_common() is not None:
+            from llmserve.layers.attention.scored import cpu_scored_forward  # KV eviction
 
-            self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-            return scored_attention(self, query, key_cache, value_cache, metadata.common)
+            return cpu_scored_forward(self, query, key, value, key_cache, value_cache, metadata)
         if self.sliding_window is not None:  # this layer's own window
             metadata = metadata.for_window(self.sliding_window)
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -312,25 +338,33 @@ class CpuAttentionBackend(AttentionBackend):
         return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads,
                              head_dim).transpose(1, 2)
 
-    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: CpuAttentionMetadata) -> torch.Tensor:
-        nd = query.shape[0]
+    def _decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, metadata: CpuAttentionMetadata,
+                       block_scores: BlockScoreArrays | None = None) -> torch.Tensor | None:
+        """The decode rows through the C decode kernels (``block_scores``: their score
+        accumulators), or None where the kernels do not apply."""
         kernels = get_cpu_kernels()
+        if kernels is None or not key_cache.is_cpu or query.stride(1) != self.head_dim:
+            return None
         fmt = kv_cache_format(key_cache)
-        if fmt is not None and kernels is not None and key_cache.is_cpu \
-                and query.dtype in (torch.float32, torch.bfloat16) \
-                and query.stride(1) == self.head_dim:  # rows dequantized in the kernel loop
-            return kernels.paged_attention_decode_quant(
+        if fmt is not None and query.dtype in (torch.float32, torch.bfloat16):
+            return kernels.paged_attention_decode_quant(  # rows dequantized in the loop
                 fmt, query, key_cache, value_cache, metadata.decode_block_table,
                 metadata.decode_seq_lens, self.scale, metadata.sliding_window,
-                torch.get_num_threads())
-        if kernels is not None and key_cache.is_cpu and query.dtype == key_cache.dtype \
-                and key_cache.dtype in (torch.float32, torch.bfloat16) \
-                and query.stride(1) == self.head_dim:
+                torch.get_num_threads(), block_scores)
+        if query.dtype == key_cache.dtype and key_cache.dtype in (torch.float32, torch.bfloat16):
             return kernels.paged_attention_decode(
                 query, key_cache, value_cache, metadata.decode_block_table,
                 metadata.decode_seq_lens, self.scale, metadata.sliding_window,
-                torch.get_num_threads())
+                torch.get_num_threads(), block_scores)
+        return None
+
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: CpuAttentionMetadata) -> torch.Tensor:
+        nd = query.shape[0]
+        out = self._decode_kernel(query, key_cache, value_cache, metadata)
+        if out is not None:
+            return out
         if metadata.decode_mask is None:  # built once per step, shared by the layers
             metadata.decode_mask = _decode_mask(metadata.decode_block_table,
                                                 metadata.decode_seq_lens, key_cache.shape[1],

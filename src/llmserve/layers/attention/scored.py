@@ -16,7 +16,10 @@ Every layer adds into the same accumulator, so a block's score is summed over la
 too (one block table serves all layers). The scores come out of the attention that
 computes the step's output, not from a second pass. Grouped-query attention by
 repeating KV heads; math as the reference backend (float32, output in the query's
-dtype). A new path beside the C decode kernel (which it leaves unchanged).
+dtype; a quantized cache dequantized first). On the ``"cpu"`` backend only prompt rows
+come here: decode rows take the C decode kernels, which accumulate the same sums from
+their split-K softmax (``kernels/cpu_kernels_attn_scores.c``); this module is their
+test oracle.
 Source: Zhang et al., H2O (NeurIPS 2023) and Li et al., SnapKV (2024) for the scores.
 """
 
@@ -26,10 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.layers.attention.kv_quant import dequantize_kv
 from llmserve.layers.attention.reference import causal_mask
 
 # query rows per score matrix: [num_heads, ROW_TILE, context] float32 at a time
 ROW_TILE = 256
+# decode rows of a scored step take the C decode kernels, which accumulate the scores in
+# their own softmax (kernels/cpu_kernels_attn_scores.c); False sends every row of a scored
+# step here (the path before; for tests and benchmarks)
+KERNEL_DECODE_SCORES = True
 
 
 @dataclass
@@ -43,16 +51,21 @@ class BlockScoreRequest:
 
 
 def scored_attention(backend, query: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, common) -> torch.Tensor:
-    """Attention over the paged cache for every sequence of the step (K/V already
-    written), accumulating block scores for the sequences in ``common.block_scores``
-    (``{sequence index: BlockScoreRequest}``).
+                     value_cache: torch.Tensor, common, first_seq: int = 0,
+                     end_seq: int | None = None) -> torch.Tensor:
+    """Attention over the paged cache for the sequences ``first_seq .. end_seq - 1`` (default:
+    to the last) of the step (K/V
+    already written), accumulating block scores for the sequences in
+    ``common.block_scores`` (``{sequence index: BlockScoreRequest}``).
 
     Args:
         backend: the layer's :class:`AttentionBackend` (heads, scale, window).
-        query: ``[num_tokens, num_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        query: ``[num_tokens, num_heads, head_dim]``, the query rows of those sequences
+            only.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            (or a quantized cache, ``[..., head_dim + 2]``: ``kv_quant.py``).
         common: the step's :class:`CommonAttentionMetadata`.
+        first_seq, end_seq: the sequences computed (e.g. ``num_decodes ..``: the prompts).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
@@ -63,14 +76,14 @@ def scored_attention(backend, query: torch.Tensor, key_cache: torch.Tensor,
     output = torch.empty_like(query)
     device = query.device
     start = 0
-    for i, (query_len, seq_len) in enumerate(zip(common.query_lens, common.seq_lens_list,
-                                                 strict=True)):
+    for i in range(first_seq, common.num_seqs if end_seq is None else end_seq):
+        query_len, seq_len = common.query_lens[i], common.seq_lens_list[i]
         end = start + query_len
         num_blocks = (seq_len + block_size - 1) // block_size
         block_ids = common.block_table[i, :num_blocks]
         # [seq_len, num_kv_heads, head_dim] -> [seq_len, num_heads, head_dim]
-        seq_key = key_cache[block_ids].flatten(0, 1)[:seq_len].float()
-        seq_value = value_cache[block_ids].flatten(0, 1)[:seq_len].float()
+        seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len])
+        seq_value = dequantize_kv(value_cache[block_ids].flatten(0, 1)[:seq_len])
         seq_key = seq_key.repeat_interleave(backend.num_queries_per_kv, dim=1)
         seq_value = seq_value.repeat_interleave(backend.num_queries_per_kv, dim=1)
         req = requests.get(i)
@@ -90,4 +103,60 @@ def scored_attention(backend, query: torch.Tensor, key_cache: torch.Tensor,
         if req is not None and req.first_row < query_len:
             req.scores[:num_blocks] += per_key.view(num_blocks, block_size).sum(1)
         start = end
+    return output
+
+
+def cpu_scored_forward(backend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       metadata) -> torch.Tensor:
+    """The ``"cpu"`` backend's forward in a step whose KV eviction wants block scores.
+
+    Decode rows (the step's first sequences, one token each; scored when their
+    ``first_row <= 0``) run the C decode kernels with per-sequence accumulators, which
+    sum the scores from the kernels' own split-K softmax (``cpu_kernels_attn_scores.c``),
+    so a decode's output has the same bits scored or not. Prompt rows run
+    :func:`scored_attention` when a prompt of the step is scored (SnapKV's observation
+    window, H2O's prompt), else the backend's usual tiles. Without the C kernels (or
+    with ``KERNEL_DECODE_SCORES`` off) every row runs :func:`scored_attention`.
+
+    Args:
+        backend: the layer's ``CpuAttentionBackend``.
+        query: ``[num_tokens, num_heads, head_dim]``; key, value:
+            ``[num_tokens, num_kv_heads, head_dim]`` (written to the caches here).
+        key_cache, value_cache: the layer's paged caches.
+        metadata: the step's ``CpuAttentionMetadata`` (or a half of ``split_decodes``).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+    """
+    common = metadata.step_common()
+    if backend.sliding_window is not None:  # this layer's own window
+        metadata = metadata.for_window(backend.sliding_window)
+    backend.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+    nd, step_nd = metadata.num_decodes, common.num_decodes
+    decoded = None
+    if nd:
+        try:
+            arrays = metadata.decode_score_arrays() if KERNEL_DECODE_SCORES else False
+        except ValueError:  # accumulators the kernels cannot take (not float32 on the CPU)
+            arrays = False
+        if arrays is not False:
+            decoded = backend._decode_kernel(query[:nd], key_cache, value_cache, metadata,
+                                             arrays)
+        if decoded is None:  # every row of this metadata (its decodes come first) here
+            return scored_attention(backend, query, key_cache, value_cache, common, 0,
+                                    None if metadata.num_prefills else nd)
+        if not metadata.num_prefills:
+            return decoded
+    if any(i >= step_nd and req.first_row < common.query_lens[i]
+           for i, req in metadata.block_scores.items()):
+        prompts = scored_attention(backend, query[nd:], key_cache, value_cache, common,
+                                   step_nd)
+    else:
+        prompts = backend._prefill(query[nd:], key[nd:], value[nd:], key_cache, value_cache,
+                                   metadata)
+    if decoded is None:
+        return prompts
+    output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+    output[:nd], output[nd:] = decoded, prompts
     return output
