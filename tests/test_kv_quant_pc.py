@@ -235,7 +235,7 @@ def test_greedy_tokens_agree_with_full_precision_kv(llm_fp32):
     share = _agreement(ref, _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)))
     print(f"int8 per-channel keys: greedy prefix agreement with float32 KV {share:.3f} "
           f"({len(PROMPTS)} prompts x {MAX_TOKENS} tokens)")
-    assert share >= 0.5
+    assert share >= 0.8  # measured 0.958 (int8 per-token: 0.75-0.80)
 
 
 @pytest.fixture(scope="module")
