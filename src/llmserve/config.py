@@ -38,6 +38,9 @@ def normalize_kv_cache_dtype(value: Any) -> str:
     return name
 
 
+#: ``--kv-key-quant``: how int8 pages scale keys (layers/attention/kv_quant_pc.py)
+KV_KEY_QUANTS = ("per-token", "per-channel")
+
 # the registered names of kv_cache/eviction (tests/test_kv_eviction.py checks they agree)
 KV_EVICTION_POLICIES = ("none", "streaming_llm", "h2o", "snapkv")
 
@@ -59,6 +62,10 @@ class CacheConfig:
     ``fp8_e4m3``): ``auto`` keeps K/V in the model dtype; ``int8`` / ``fp8_e4m3`` store
     one byte per element plus a per-token, per-head fp16 scale
     (``layers/attention/kv_quant.py``).
+    ``kv_key_quant``: ``per-token`` (default) or ``per-channel`` (``int8`` only: KIVI's
+    per-channel keys, a fp16 scale per block, KV head and channel, values per token;
+    ``layers/attention/kv_quant_pc.py``; not with h2o / snapkv, whose scoring reads
+    per-token rows).
     ``kv_eviction_policy``: ``none``, ``streaming_llm``, ``h2o`` or ``snapkv``
     (``kv_cache/eviction``), capping each sequence at ``kv_budget_tokens`` of KV
     (whole blocks; ``num_sink_tokens`` attention sinks for StreamingLLM); requests may
@@ -77,9 +84,22 @@ class CacheConfig:
     kv_store: str | None = None
     kv_store_ttl: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_key_quant: str = "per-token"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        key_quant = self.kv_key_quant.strip().lower().replace("_", "-") \
+            if isinstance(self.kv_key_quant, str) else self.kv_key_quant
+        if key_quant not in KV_KEY_QUANTS:
+            raise ValueError(f"kv_key_quant must be one of {', '.join(KV_KEY_QUANTS)}, "
+                             f"got {self.kv_key_quant!r}")
+        object.__setattr__(self, "kv_key_quant", key_quant)
+        if key_quant == "per-channel" and self.kv_cache_dtype != "int8":
+            raise ValueError(f"kv_key_quant per-channel needs kv_cache_dtype int8, got "
+                             f"{self.kv_cache_dtype!r}")
+        if key_quant == "per-channel" and self.kv_eviction_policy in ("h2o", "snapkv"):
+            raise ValueError(f"kv_key_quant per-channel does not support kv_eviction_policy "
+                             f"{self.kv_eviction_policy!r} (use none or streaming_llm)")
         if self.kv_store is not None and (
                 not isinstance(self.kv_store, str)
                 or not self.kv_store.startswith(("redis://", "rediss://", "unix://"))):

@@ -36,6 +36,8 @@ def register(subparsers) -> None:
         "(KL over the decode steps after eviction starts; llmserve.engine.kv_quality)")
     kv.add_argument("--kv-cache-dtype", default=None,
                     help="comma list of KV dtypes to score, e.g. int8,fp8_e4m3")
+    kv.add_argument("--kv-key-quant", default="per-token",
+                    help="comma list for int8: per-token, per-channel (KIVI's keys)")
     kv.add_argument("--kv-eviction-policy", default=None,
                     help="comma list of policies to score: streaming_llm,h2o,snapkv")
     kv.add_argument("--kv-budget-tokens", default="512",
@@ -105,7 +107,10 @@ def _run_kv_eval(args: argparse.Namespace, text: str | None) -> int:
         budgets = [int(b) for b in _split(args.kv_budget_tokens)]
     except ValueError:
         raise ValueError(f"--kv-budget-tokens: integers, got {args.kv_budget_tokens!r}") from None
-    variants = [KVVariant(kv_cache_dtype=kv) for kv in _split(args.kv_cache_dtype)]
+    key_quants = _split(args.kv_key_quant) or ["per-token"]
+    variants = [KVVariant(kv_cache_dtype=kv, kv_key_quant=kq)
+                for kv in _split(args.kv_cache_dtype) for kq in key_quants
+                if kq == "per-token" or kv == "int8"]
     variants += [KVVariant(policy=pol, budget_tokens=b, num_sink_tokens=args.num_sink_tokens)
                  for pol in _split(args.kv_eviction_policy) for b in budgets]
     quant = "auto" if args.quantization == "native" else "none"

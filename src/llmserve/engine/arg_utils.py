@@ -142,6 +142,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8_e4m3 (fp8)
+    kv_key_quant: str = "per-token"  # per-token | per-channel (int8 keys, KIVI)
     cpu_offload_gb: float = 0.0  # GiB of layer weights in host memory (worker/offload.py)
     num_device_layers: int | None = None  # llama.cpp's --n-gpu-layers; None = all
 
@@ -162,6 +163,10 @@ class EngineArgs:
                        help="KV cache storage: auto (= --dtype), bfloat16, float32, int8 or "
                             "fp8_e4m3 (alias fp8); int8/fp8 keep one byte per element plus a "
                             "per-token, per-head scale (about 2x the tokens per GiB)")
+        g.add_argument("--kv-key-quant", default="per-token",
+                       choices=["per-token", "per-channel"],
+                       help="int8 KV: scale keys per token and head (default) or per block "
+                            "and channel (KIVI's per-channel keys; values stay per token)")
         g.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget per engine step")
@@ -303,7 +308,8 @@ class EngineArgs:
                                      kv_budget_tokens=self.kv_budget_tokens,
                                      num_sink_tokens=self.num_sink_tokens,
                                      kv_store=self.kv_store, kv_store_ttl=self.kv_store_ttl,
-                                     kv_cache_dtype=self.kv_cache_dtype),
+                                     kv_cache_dtype=self.kv_cache_dtype,
+                                     kv_key_quant=self.kv_key_quant),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -40,12 +40,22 @@ class KVVariant:
     policy: str = "none"
     budget_tokens: int | None = None
     num_sink_tokens: int = 4
+    kv_key_quant: str = "per-token"  # per-channel: int8 keys per block and channel
 
     @property
     def name(self) -> str:
         if self.policy != "none":
             return f"{self.policy}@{self.budget_tokens}"
+        if self.kv_key_quant == "per-channel":
+            return f"kv-{self.kv_cache_dtype}-per-channel-keys"
         return "full" if self.kv_cache_dtype == "auto" else f"kv-{self.kv_cache_dtype}"
+
+    @property
+    def cache_key(self) -> str:
+        """The engine this variant runs on (build_engines)."""
+        if self.kv_key_quant == "per-channel":
+            return f"{self.kv_cache_dtype}/per-channel"
+        return self.kv_cache_dtype
 
 
 @dataclass
@@ -101,11 +111,13 @@ def kv_dtype_variants(first, kv_cache_dtypes: list[str]) -> dict[str, Any]:
 
     cfg = first.config
     engines = {}
-    for kv in kv_cache_dtypes:
+    for kv in kv_cache_dtypes:  # "int8/per-channel": int8 pages, per-channel keys
         if kv in engines or kv == cfg.cache_config.kv_cache_dtype:
             continue
+        dt, _, key_quant = kv.partition("/")
         variant = dataclasses.replace(
-            cfg, cache_config=dataclasses.replace(cfg.cache_config, kv_cache_dtype=kv))
+            cfg, cache_config=dataclasses.replace(cfg.cache_config, kv_cache_dtype=dt,
+                                                  kv_key_quant=key_quant or "per-token"))
         engines[kv] = LLMEngine(variant, first.tokenizer, first.runner.model)
     return engines
 
@@ -188,7 +200,7 @@ def evaluate_kv(model: str | None, text: str, variants: list[KVVariant],
     """
     from llmserve.tokenizer import encode_text
 
-    kv_dtypes = sorted({v.kv_cache_dtype for v in variants} | {"auto"})
+    kv_dtypes = sorted({v.cache_key for v in variants} | {"auto"})
     engines = build_engines(model, kv_dtypes, num_tokens, dtype, quantization)
     tok = engines["auto"].tokenizer
     ids = encode_text(tok, text, "text", add_special_tokens=False)
@@ -204,7 +216,7 @@ def evaluate_kv(model: str | None, text: str, variants: list[KVVariant],
     ref = reference_logprobs(engines["auto"], ids, prompt_len)
     results = []
     for v in variants:
-        r = score_variant(engines[v.kv_cache_dtype], ids, prompt_len, v, ref)
+        r = score_variant(engines[v.cache_key], ids, prompt_len, v, ref)
         results.append(r)
         if progress is not None:
             progress(r)

@@ -22,7 +22,10 @@ def kv_store_layout(config: EngineConfig) -> KVStoreLayout:
                 f"|device={config.device.split(':')[0]}|deterministic={int(config.deterministic)}")
     # the KV cache dtype: a store written with int8 / fp8 pages (codes + scales) lives in
     # another namespace than a bfloat16 one and is never loaded at another dtype
-    return KVStoreLayout(model_id=model_id, dtype=config.kv_cache_dtype,
+    dtype = config.kv_cache_dtype
+    if getattr(config.cache_config, "kv_key_quant", "per-token") == "per-channel":
+        dtype = "int8_kc"  # another page layout: another namespace
+    return KVStoreLayout(model_id=model_id, dtype=dtype,
                          block_size=config.cache_config.block_size,
                          num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                          head_dim=mc.head_dim)

@@ -57,7 +57,9 @@ class LLMEngine:
         # per rank (a tensor-parallel shard holds its KV heads); int8 / fp8 pages: one
         # byte per element + a fp16 scale per token and KV head
         tp = config.parallel_config.tensor_parallel_size
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc, config.kv_cache_dtype, tp)
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(
+            mc, config.kv_cache_dtype, tp, kv_key_quant=cc.kv_key_quant,
+            block_size=cc.block_size)
         if config.parallel_config.pipeline_parallel_size > 1:  # stage 0's layers only
             from llmserve.models.pipeline_parallel import stage_kv_bytes_per_token
 

@@ -52,6 +52,18 @@ _SIGNATURES = {
     "paged_attention_decode_quant": [_INT, _INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64,
                                      _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT, _P,
                                      _P],
+    # per-channel int8 keys (cpu_kernels_kvc.c; wrappers in cpu_kvc.py): dtype, key_cache,
+    # value_cache, num_blocks, block_size, key, key_stride, value, value_stride,
+    # slot_mapping, num_tokens, num_kv_heads, head_dim
+    "write_kv_quant_kc": [_INT, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
+    # the arguments of paged_attention_decode
+    "paged_attention_decode_quant_kc": [_INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _P,
+                                        _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+    # dtype, out, query, q_stride, key, key_stride, value, value_stride, slot_mapping,
+    # key_cache, value_cache, num_blocks, block_table, bt_width, bt_stride, seq_lens,
+    # num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads
+    "paged_prefill_quant_kc": [_INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, _P,
+                               _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
 }
 
 
@@ -418,6 +430,10 @@ class CpuKernels:
         Raises:
             ValueError: an unknown format, a slot outside the cache, or mismatched layouts.
         """
+        if fmt == "int8" and key_cache.shape[-1] == key.shape[-1]:  # per-channel keys
+            from llmserve.kernels.cpu_kvc import write_kv_quant_kc
+
+            return write_kv_quant_kc(self, key, value, key_cache, value_cache, slot_mapping)
         code, storage = KV_QUANT_FORMATS[fmt]
         num_tokens, num_kv_heads, head_dim = key.shape
         if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1) or \
@@ -457,6 +473,12 @@ class CpuKernels:
         Raises:
             ValueError: as :meth:`paged_attention_decode`, or an unknown format.
         """
+        if fmt == "int8" and key_cache.shape[-1] == query.shape[-1]:  # per-channel keys
+            from llmserve.kernels.cpu_kvc import paged_attention_decode_quant_kc
+
+            return paged_attention_decode_quant_kc(self, query, key_cache, value_cache,
+                                                   block_table, seq_lens, scale,
+                                                   sliding_window, num_threads)
         code, storage = KV_QUANT_FORMATS[fmt]
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape

@@ -811,5 +811,8 @@ int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void 
 /* quantized KV cache pages: write_kv_quant, paged_attention_decode_quant */
 #include "cpu_kernels_kvq.c"
 
+/* per-channel int8 keys (KIVI): write_kv_quant_kc, paged_{attention_decode,prefill}_quant_kc */
+#include "cpu_kernels_kvc.c"
+
 /* GGUF Q4_K / Q6_K x Q8_K int8-activation matmul (VNNI) for decode rows */
 #include "cpu_kernels_vnni.c"

@@ -49,7 +49,8 @@ MAGIC = b"LLMSKV01"
 _HLEN = struct.Struct("<I")
 _DIGEST_LEN = 16
 PAUSE_AFTER_ERROR_S = 10.0
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1,
+               "int8_kc": 1}  # int8_kc: int8 pages with per-channel keys (kv_quant_pc.py)
 # quantized KV pages: a fp16 scale after each (token, KV head) row (layers/attention/kv_quant.py)
 ROW_SCALE_BYTES = {"int8": 2, "fp8_e4m3": 2}
 
@@ -92,6 +93,10 @@ class KVStoreLayout:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block's body (all layers, key and value)."""
+        if self.dtype == "int8_kc":  # keys: bs + 2 rows of codes / scales; values per token
+            key = (self.block_size + 2) * self.num_kv_heads * self.head_dim
+            value = self.block_size * self.num_kv_heads * (self.head_dim + 2)
+            return self.num_layers * (key + value)
         row = self.head_dim * DTYPE_BYTES[self.dtype] + ROW_SCALE_BYTES.get(self.dtype, 0)
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * row
 

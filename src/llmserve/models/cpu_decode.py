@@ -31,6 +31,8 @@ from llmserve.kernels import get_cpu_kernels
 from llmserve.kernels.cpu import DTYPE_CODES, KV_QUANT_FORMATS, CpuKernels, check_status
 from llmserve.layers.attention.kv_quant import kv_cache_format
 
+KVQ_INT8_KC = 2  # cpu_kernels_kvc.c: int8 pages, per-channel keys
+
 
 @dataclass
 class CpuDecodeStep:
@@ -54,6 +56,7 @@ class CpuDecodeStep:
     block_scores: Any = None
     score_ptrs: int | None = None
     score_lens: int | None = None
+    # (KVQ_INT8_KC: per-channel int8 keys, kv_quant_pc.py; block_size is the value cache's)
 
     @classmethod
     def build(cls, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -77,13 +80,23 @@ class CpuDecodeStep:
             return None
         num_tokens = hidden.shape[0]
         fmt = kv_cache_format(key_cache)
+        value_cache = kv_caches[0][1]
         cache_dtype = hidden.dtype if fmt is None else key_cache.dtype
         for kc, vc in kv_caches:
             if kc.dtype != cache_dtype or vc.dtype != cache_dtype or not kc.is_cpu or \
                     not (kc.is_contiguous() and vc.is_contiguous()) or \
-                    kc.shape != key_cache.shape or vc.shape != key_cache.shape:
+                    kc.shape != key_cache.shape or vc.shape != value_cache.shape:
                 return None
         table, seq_lens, slots = md.decode_block_table, md.decode_seq_lens, md.slot_mapping
+        kv_format = -1 if fmt is None else KV_QUANT_FORMATS[fmt][0]
+        if key_cache.shape[1] != value_cache.shape[1]:  # per-channel int8 keys
+            from llmserve.layers.attention.cpu_kc import needs_sequential
+
+            if fmt != "int8" or needs_sequential(md, value_cache.shape[1]):
+                return None  # two tokens write one block: token by token (cpu_kc.py)
+            kv_format = KVQ_INT8_KC
+        elif key_cache.shape != value_cache.shape:
+            return None
         for t in (table, seq_lens, slots):
             if t.dtype != torch.int64 or not t.is_cpu or t.stride(-1) != 1:
                 return None
@@ -93,8 +106,8 @@ class CpuDecodeStep:
         ptrs, lens = (None, None) if scores is None else scores.ptr_args(num_tokens, "decode")
         return cls(kernels, code, num_tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                    table, seq_lens.data_ptr(), md.sliding_window or 0,
-                   torch.get_num_threads(), key_cache.shape[0], key_cache.shape[1],
-                   -1 if fmt is None else KV_QUANT_FORMATS[fmt][0], scores, ptrs, lens)
+                   torch.get_num_threads(), key_cache.shape[0], value_cache.shape[1],
+                   kv_format, scores, ptrs, lens)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +153,17 @@ def decode_layer(layer: Any, step: CpuDecodeStep, hidden: torch.Tensor,
     out = torch.empty((num_tokens, attn.q_size), dtype=hidden.dtype)
     table = step.block_table
     window = attn.attn.sliding_window or step.window
-    if step.kv_format >= 0:  # quantized pages: quantize on write, dequantize per row
+    if step.kv_format == KVQ_INT8_KC:  # per-channel int8 keys (kv_quant_pc.py)
+        check_status(k._write_kv_quant_kc(
+            code, key_cache.data_ptr(), value_cache.data_ptr(), step.num_blocks,
+            step.block_size, key_ptr, row, value_ptr, row, step.slot_ptr, num_tokens,
+            num_kv_heads, head_dim), "write_kv_quant_kc")
+        check_status(k._paged_attention_decode_quant_kc(
+            code, out.data_ptr(), qkv_ptr, row, key_cache.data_ptr(), value_cache.data_ptr(),
+            step.num_blocks, table.data_ptr(), table.shape[1], table.stride(0),
+            step.seq_lens_ptr, num_tokens, num_heads, num_kv_heads, head_dim, step.block_size,
+            attn.attn.scale, window, step.num_threads), "paged_attention_decode_quant_kc")
+    elif step.kv_format >= 0:  # quantized pages: quantize on write, dequantize per row
         check_status(k._write_kv_quant(
             step.kv_format, code, key_cache.data_ptr(), value_cache.data_ptr(),
             step.num_blocks * step.block_size, key_ptr, row, value_ptr, row, step.slot_ptr,

@@ -251,12 +251,17 @@ def weight_bytes(model: ModelConfig | PlannerModel, fmt: WeightFormat,
 # ---- KV cache --------------------------------------------------------------------
 
 def kv_bytes_per_token_per_layer(model: ModelConfig | PlannerModel,
-                                 kv_cache_dtype: str = "bfloat16", tp: int = 1) -> int:
+                                 kv_cache_dtype: str = "bfloat16", tp: int = 1,
+                                 kv_key_quant: str = "per-token",
+                                 block_size: int = 16) -> int:
     """K+V bytes of one token in one layer on one device.
 
     ``2 * max(1, kv_heads // tp) * (head_dim * b + scale)`` (``scale``: 2 bytes for
     llmserve's ``int8`` / ``fp8_e4m3`` pages, else 0); MLA: ``(kv_lora_rank +
-    qk_rope_head_dim) * b`` whatever ``tp``.
+    qk_rope_head_dim) * b`` whatever ``tp``. ``kv_key_quant="per-channel"`` (int8):
+    a block's keys carry ``2 * head_dim`` scale bytes per KV head instead of 2 per token,
+    amortized over ``block_size`` tokens and rounded up:
+    ``kv_heads * (ceil(((bs + 2) * head_dim) / bs) + head_dim + 2)``.
 
     Raises:
         ValueError: for an unknown dtype or an invalid ``tp``.
@@ -266,12 +271,16 @@ def kv_bytes_per_token_per_layer(model: ModelConfig | PlannerModel,
     b = kv_dtype_bytes(kv_cache_dtype, m.torch_dtype)
     if m.is_mla:
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b
+    if kv_key_quant == "per-channel":  # layers/attention/kv_quant_pc.py
+        key = -(-(block_size + 2) * m.head_dim // block_size)
+        return kv_heads_per_device(m, tp) * (key + m.head_dim + 2)
     # int8 / fp8_e4m3 pages: + one fp16 scale per token and KV head (formats.py)
     return 2 * kv_heads_per_device(m, tp) * (m.head_dim * b + kv_row_scale_bytes(kv_cache_dtype))
 
 
 def kv_cache_bytes_per_token(model: ModelConfig | PlannerModel,
-                             kv_cache_dtype: str = "bfloat16", tp: int = 1, pp: int = 1) -> int:
+                             kv_cache_dtype: str = "bfloat16", tp: int = 1, pp: int = 1,
+                             kv_key_quant: str = "per-token", block_size: int = 16) -> int:
     """Bytes of K+V for one token on one device: what each paged-cache slot costs.
 
     ``2 x layers x kv_heads x head_dim x b`` (MHA/GQA/MQA) or
@@ -284,6 +293,7 @@ def kv_cache_bytes_per_token(model: ModelConfig | PlannerModel,
     ``kv_cache_dtype``: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"fp8"``, ...;
     ``"auto"`` means the model's ``torch_dtype`` (bfloat16 for a ``ModelConfig``,
     which carries no dtype), so the engine passes its resolved dtype.
+    ``kv_key_quant``, ``block_size``: see :func:`kv_bytes_per_token_per_layer`.
 
     Examples: Llama-3.1-70B, bf16: ``2 x 80 x 8 x 128 x 2 = 327,680`` B;
     DeepSeek-V3, bf16: ``(512 + 64) x 61 x 2 = 70,272`` B.
@@ -294,7 +304,7 @@ def kv_cache_bytes_per_token(model: ModelConfig | PlannerModel,
     m = as_planner_model(model)
     check_parallel(m, tp, pp)
     return max(pp_partition(m.num_hidden_layers, pp)) * kv_bytes_per_token_per_layer(
-        m, kv_cache_dtype, tp)
+        m, kv_cache_dtype, tp, kv_key_quant, block_size)
 
 
 def kv_cache_bytes_per_sequence(model: ModelConfig | PlannerModel, num_tokens: int,

@@ -24,7 +24,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.layers.attention import CommonAttentionMetadata
-from llmserve.layers.attention.kv_quant import kv_cache_storage
+from llmserve.layers.attention.kv_quant import kv_cache_shapes
 from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import Sampler, build_sampling_metadata
 from llmserve.sampling_params import SamplingParams
@@ -97,18 +97,21 @@ class ModelRunner:
         # the cache dtype: the model's, another float, or int8 / fp8 pages whose head rows
         # carry their fp16 scale (layers/attention/kv_quant.py: head_dim + 2 bytes); this
         # rank's KV heads (a tensor-parallel shard holds max(1, kv_heads / tp))
-        self.kv_cache_dtype, row_extra = kv_cache_storage(
-            getattr(config, "kv_cache_dtype", config.dtype), self.dtype)
-        shape = (num_blocks, self.block_size, getattr(model, "num_kv_heads",
-                                                      mc.num_key_value_heads),
-                 mc.head_dim + row_extra)
+        # (--kv-key-quant per-channel: int8 keys in blocks of block_size + 2 rows, the
+        # last two the block's per-channel scales; kv_quant_pc.py)
+        key_quant = getattr(getattr(config, "cache_config", None), "kv_key_quant",
+                            "per-token")
+        self.kv_cache_dtype, key_shape, shape = kv_cache_shapes(
+            getattr(config, "kv_cache_dtype", config.dtype), self.dtype, key_quant,
+            num_blocks, self.block_size, getattr(model, "num_kv_heads", mc.num_key_value_heads),
+            mc.head_dim)
         # per layer of this pipeline stage: key_cache, value_cache
         # [num_blocks, block_size, num_kv_heads, head_dim], on that layer's device (a layer
         # split keeps the CPU layers' KV in host memory)
         num_layers = getattr(model, "num_layers", mc.num_hidden_layers)
         layer_devices = getattr(model, "layer_devices", None) or [self.device] * num_layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),
+            (torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=dev),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev))
             for dev in layer_devices
         ]
@@ -117,8 +120,9 @@ class ModelRunner:
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_host_blocks > 0:
             host_shape = (num_host_blocks + 1, *shape[1:])
+            host_key_shape = (num_host_blocks + 1, *key_shape[1:])
             self.host_kv_caches = [
-                (torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+                (torch.zeros(host_key_shape, dtype=self.kv_cache_dtype, pin_memory=pin),
                  torch.zeros(host_shape, dtype=self.kv_cache_dtype, pin_memory=pin))
                 for _ in range(num_layers)
             ]

@@ -50,7 +50,9 @@ import torch.nn.functional as F
 from llmserve.kernels import get_cpu_kernels
 from llmserve.kernels.cpu import BlockScoreArrays, CpuKernels
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from llmserve.layers.attention.cpu_kc import forward_sequential, needs_sequential
 from llmserve.layers.attention.kv_quant import dequantize_kv, kv_cache_format
+from llmserve.layers.attention.kv_quant_pc import dequantize_key_blocks, is_per_channel_key_cache
 
 
 @dataclass
@@ -312,6 +314,10 @@ class CpuAttentionBackend(AttentionBackend):
             return cpu_scored_forward(self, query, key, value, key_cache, value_cache, metadata)
         if self.sliding_window is not None:  # this layer's own window
             metadata = metadata.for_window(self.sliding_window)
+        if is_per_channel_key_cache(key_cache, self.head_dim) and \
+                needs_sequential(metadata, value_cache.shape[1]):  # token by token
+            return forward_sequential(self, get_cpu_kernels(), query, key, value, key_cache,
+                                      value_cache, metadata)
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         nd = metadata.num_decodes
         if not metadata.num_prefills:
@@ -324,15 +330,16 @@ class CpuAttentionBackend(AttentionBackend):
                                     value_cache, metadata)
         return output
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor,
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """[num_seqs, num_kv_heads, num_blocks * block_size, head_dim] view of each context
         (in ``dtype``: a quantized or other-dtype cache is dequantized / cast after the
         gather, the fallback where the C kernels do not apply)."""
         num_seqs, num_blocks = block_table.shape
         gathered = cache.index_select(0, block_table.reshape(-1))  # [S * nb, bs, Hkv, D]
-        if dtype is not None and gathered.dtype != dtype:
+        if is_per_channel_key_cache(gathered, self.head_dim):  # [S * nb, bs + 2, Hkv, D]
+            gathered = dequantize_key_blocks(gathered, dtype or torch.float32)
+        elif dtype is not None and gathered.dtype != dtype:
             gathered = dequantize_kv(gathered, dtype)
         _, block_size, num_kv_heads, head_dim = gathered.shape
         return gathered.view(num_seqs, num_blocks * block_size, num_kv_heads,
@@ -367,7 +374,7 @@ class CpuAttentionBackend(AttentionBackend):
             return out
         if metadata.decode_mask is None:  # built once per step, shared by the layers
             metadata.decode_mask = _decode_mask(metadata.decode_block_table,
-                                                metadata.decode_seq_lens, key_cache.shape[1],
+                                                metadata.decode_seq_lens, value_cache.shape[1],
                                                 metadata.sliding_window)
         # [num_decodes, num_kv_heads, num_queries_per_kv, head_dim]: the group plays
         # the role of the query length, so K/V need no repeat

@@ -42,6 +42,26 @@ def head_dim_of(cache: torch.Tensor) -> int:
     return cache.shape[-1] - (SCALE_BYTES if cache.dtype in _FORMAT_OF else 0)
 
 
+def kv_cache_shapes(kv_cache_dtype: str, model_dtype: torch.dtype, kv_key_quant: str,
+                    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+                    ) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    """(cache dtype, key cache shape, value cache shape) of one layer. ``kv_key_quant``
+    ``"per-channel"`` (int8 only): keys in kv_quant_pc.py's block layout, two scale rows
+    after each block's codes.
+
+    Raises:
+        ValueError: an unknown name, or per-channel keys with another dtype.
+    """
+    dtype, extra = kv_cache_storage(kv_cache_dtype, model_dtype)
+    value = (num_blocks, block_size, num_kv_heads, head_dim + extra)
+    if kv_key_quant == "per-token":
+        return dtype, value, value
+    if kv_key_quant != "per-channel" or kv_cache_dtype != "int8":
+        raise ValueError(f"kv_key_quant must be per-token, or per-channel with "
+                         f"kv_cache_dtype int8, got {kv_key_quant!r} with {kv_cache_dtype!r}")
+    return dtype, (num_blocks, block_size + 2, num_kv_heads, head_dim), value
+
+
 def kv_cache_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(cache tensor dtype, extra elements per head row) for a resolved KV cache dtype.
 
@@ -94,6 +114,10 @@ def write_kv_quant(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize ``key``/``value`` ``[T, Hkv, D]`` into quantized caches at ``slot_mapping``
     (PyTorch; the C kernel ``write_kv_quant`` computes the same bytes)."""
+    if key_cache.dtype == torch.int8 and key_cache.shape[-1] == key.shape[-1]:
+        from llmserve.layers.attention.kv_quant_pc import write_kv_per_channel
+
+        return write_kv_per_channel(key, value, key_cache, value_cache, slot_mapping)
     fmt = kv_cache_format(key_cache)
     num_kv_heads, row = key_cache.shape[-2:]
     keep = slot_mapping >= 0

@@ -13,6 +13,7 @@ import torch
 
 from llmserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from llmserve.layers.attention.kv_quant import dequantize_kv
+from llmserve.layers.attention.kv_quant_pc import dequantize_key_blocks, is_per_channel_key_cache
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -42,7 +43,7 @@ class ReferenceAttentionBackend(AttentionBackend):
             from llmserve.layers.attention.scored import scored_attention
 
             return scored_attention(self, query, key_cache, value_cache, metadata)
-        block_size = key_cache.shape[1]
+        block_size = value_cache.shape[1]
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         start = 0
         for i, (query_len, seq_len) in enumerate(
@@ -52,7 +53,10 @@ class ReferenceAttentionBackend(AttentionBackend):
             block_ids = metadata.block_table[i, :num_blocks]
             # [seq_len, num_kv_heads, head_dim]
             # (a quantized cache, kv_quant.py: dequantized rows)
-            seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len])
+            if is_per_channel_key_cache(key_cache, self.head_dim):  # kv_quant_pc.py
+                seq_key = dequantize_key_blocks(key_cache[block_ids]).flatten(0, 1)[:seq_len]
+            else:
+                seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len])
             seq_value = dequantize_kv(value_cache[block_ids].flatten(0, 1)[:seq_len])
             # [seq_len, num_heads, head_dim]
             seq_key = seq_key.repeat_interleave(self.num_queries_per_kv, dim=1)
