@@ -13,82 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# quantized KV cache formats (cpu_kernels_kvq.c): name -> (code, cache storage dtype)
-KV_QUANT_FORMATS = {"int8": (0, torch.int8), "fp8_e4m3": (1, torch.uint8)}
-# GGUF types of gguf_matmul: name -> (ggml type id, weights per block, bytes per block)
-GGUF_MATMUL_TYPES = {"Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-                     "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
-_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-_SIGNATURES = {
-    # dtype, out, x, x_stride, residual, residual_out, weight, num_tokens, hidden, eps
-    "rms_norm": [_INT, _P, _P, _I64, _P, _P, _P, _I64, _I64, _F32],
-    # dtype, x, num_tokens, num_heads, head_dim, token_stride, head_stride, cos, sin
-    "rotary_emb": [_INT, _P, _I64, _I64, _I64, _I64, _I64, _P, _P],
-    # dtype, key_cache, value_cache, num_slots, key, key_stride, value, value_stride,
-    # slot_mapping, num_tokens, row
-    "write_kv": [_INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64],
-    # dtype, out, x, num_tokens, d
-    "silu_and_mul": [_INT, _P, _P, _I64, _I64],
-    # dtype, out, x, x_stride, codes, scales, M, N, K, num_threads
-    "q8_0_matmul": [_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _INT],
-    # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
-    "gguf_matmul": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
-    # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
-    "gguf_matmul_q8k": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
-    # dtype, x, x_stride, M, K, codes, scales
-    "q8k_quantize": [_INT, _P, _I64, _I64, _I64, _P, _P],
-    "gguf_q8k_available": [],
-    # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
-    # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-    # block_size, scale, window, num_threads, score_ptrs, score_lens
-    "paged_attention_decode": [_INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I64,
-                               _I64, _I64, _I64, _I64, _F32, _I64, _INT, _P, _P],
-    # fmt, dtype, key_cache, value_cache, num_slots, key, key_stride, value, value_stride,
-    # slot_mapping, num_tokens, num_kv_heads, head_dim
-    "write_kv_quant": [_INT, _INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
-    # fmt, then the arguments of paged_attention_decode
-    "paged_attention_decode_quant": [_INT, _INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64,
-                                     _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT, _P,
-                                     _P],
-    # per-channel int8 keys (cpu_kernels_kvc.c; wrappers in cpu_kvc.py): dtype, key_cache,
-    # value_cache, num_blocks, block_size, key, key_stride, value, value_stride,
-    # slot_mapping, num_tokens, num_kv_heads, head_dim
-    "write_kv_quant_kc": [_INT, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
-    # the arguments of paged_attention_decode
-    "paged_attention_decode_quant_kc": [_INT, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _P,
-                                        _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
-    # dtype, out, query, q_stride, key, key_stride, value, value_stride, slot_mapping,
-    # key_cache, value_cache, num_blocks, block_table, bt_width, bt_stride, seq_lens,
-    # num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads
-    "paged_prefill_quant_kc": [_INT, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, _P,
-                               _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
-}
-
-
-def check_status(status: int, what: str) -> None:
-    if status == -3:
-        raise ValueError(f"{what}: a slot or block id is outside the KV cache")
-    if status == -4:
-        raise ValueError(f"{what}: a seq_len is < 1 or longer than its block table")
-    if status == -6:
-        raise ValueError(f"{what}: a block score array is shorter than its sequence's blocks")
-    if status != 0:
-        raise ValueError(f"{what}: invalid arguments (kernel status {status})")
-
-
-def _code(x: torch.Tensor, *others: torch.Tensor) -> int:
-    """The dtype code of ``x``; every tensor on the CPU with ``x``'s dtype (else ValueError)."""
-    code = DTYPE_CODES.get(x.dtype)
-    ok = code is not None and x.is_cpu
-    dtype = x.dtype
-    for t in others:  # (a plain loop: a generator here costs a microsecond)
-        ok = ok and t.dtype == dtype and t.is_cpu
-    if not ok:
-        raise ValueError(f"CPU kernels need CPU float32 or bfloat16 tensors of one dtype, got "
-                         f"{[(t.dtype, t.device.type) for t in (x, *others)]}")
-    return code
+from llmserve.kernels.cpu_abi import (  # noqa: F401 - DTYPE_CODES etc. re-exported
+    _SIGNATURES,
+    DTYPE_CODES,
+    GGUF_MATMUL_TYPES,
+    KV_QUANT_FORMATS,
+    _code,
+    check_status,
+)
+from llmserve.kernels.cpu_gguf import GgufMatmulKernels
 
 
 @dataclass
@@ -113,7 +46,7 @@ class BlockScoreArrays:
         return self.ptrs.data_ptr(), self.lens.data_ptr()
 
 
-class CpuKernels:
+class CpuKernels(GgufMatmulKernels):
     """The C kernels of one loaded library. All tensors: CPU, float32 or bfloat16.
 
     The wrappers are on the hot path of every layer (a few us matter), so they check
@@ -214,137 +147,6 @@ class CpuKernels:
         check_status(self._silu_and_mul(code, out.data_ptr(), x.data_ptr(), num_tokens, width // 2),
                "silu_and_mul")
         return out
-
-    def q8_0_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    num_threads: int = 1) -> torch.Tensor:
-        """``x W^T`` for a GGUF Q8_0 weight ``W = d * q`` kept as its blocks.
-
-        Args:
-            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
-            codes: int8 ``[N, K]`` contiguous; scales: float32 ``[N, K / 32]`` contiguous.
-
-        Returns:
-            ``[M, N]`` in ``x``'s dtype; float32 products and sums (each ``q * x`` exact).
-
-        Raises:
-            ValueError: shapes, dtypes or M outside 1..16.
-        """
-        num_rows, k = x.shape
-        n = codes.shape[0]
-        if codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.stride(1) != 1 or \
-                codes.shape != (n, k) or scales.shape != (n, k // 32) or k % 32 or \
-                not (codes.is_contiguous() and scales.is_contiguous()) or \
-                not 1 <= num_rows <= 16 or not (codes.is_cpu and scales.is_cpu):
-            raise ValueError(f"q8_0_matmul: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
-                             f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype}")
-        code = _code(x)
-        out = x.new_empty((num_rows, n))
-        check_status(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
-                                 codes.data_ptr(), scales.data_ptr(), num_rows, n, k,
-                                 num_threads), "q8_0_matmul")
-        return out
-
-    def gguf_matmul(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
-                    num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T`` for a GGUF weight ``W [N, K]`` read straight from its blocks.
-
-        Args:
-            qtype: one of :data:`GGUF_MATMUL_TYPES` (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``,
-                ``"Q5_0"``, ``"Q8_0"``).
-            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
-            blocks: uint8 ``[N, K / block_weights * block_bytes]`` contiguous (the file's
-                bytes, row by row).
-            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided,
-                e.g. a column slice of a fused layer's output).
-
-        Returns:
-            ``[M, N]`` in ``x``'s dtype. Each weight is formed as ``q * s - o`` in float32,
-            equal to ``gguf.quants`` bit for bit; products and sums in float32.
-
-        Raises:
-            ValueError: unknown type, shapes, dtypes or M outside 1..16.
-        """
-        num_rows, k = x.shape
-        n = blocks.shape[0]
-        layout = GGUF_MATMUL_TYPES.get(qtype)
-        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
-                k % layout[1] or blocks.shape != (n, k // layout[1] * layout[2]) or \
-                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
-            raise ValueError(f"gguf_matmul: {qtype} x {tuple(x.shape)}, blocks "
-                             f"{tuple(blocks.shape)} {blocks.dtype}")
-        code = _code(x) if out is None else _code(x, out)
-        if out is None:
-            out = x.new_empty((num_rows, n))
-        elif out.shape != (num_rows, n) or out.stride(1) != 1:
-            raise ValueError(f"gguf_matmul: out {tuple(out.shape)} strides {out.stride()}, "
-                             f"expected [{num_rows}, {n}] with contiguous rows")
-        check_status(self._gguf_matmul(layout[0], code, out.data_ptr(), out.stride(0),
-                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
-                                       n, k, num_threads), "gguf_matmul")
-        return out
-
-    @property
-    def has_q8k_dot(self) -> bool:
-        """True where :meth:`gguf_matmul_q8k` runs (built with AVX512-VNNI, CPU has it)."""
-        return bool(self._gguf_q8k_available())
-
-    def gguf_matmul_q8k(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
-                        num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
-        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
-        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme (cpu_kernels_vnni.c).
-
-        Args:
-            qtype: ``"Q4_K"`` or ``"Q6_K"``.
-            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
-            blocks: uint8 ``[N, K / 256 * block_bytes]`` contiguous (the file's bytes).
-            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
-
-        Returns:
-            ``[M, N]`` in ``x``'s dtype: exact integer block sums times float32 scales,
-            summed in float32 in a fixed order (a row's result never depends on the others).
-
-        Raises:
-            ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI
-                (check :attr:`has_q8k_dot`).
-        """
-        num_rows, k = x.shape
-        n = blocks.shape[0]
-        layout = GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K") else None
-        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
-                k % 256 or blocks.shape != (n, k // 256 * layout[2]) or \
-                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
-            raise ValueError(f"gguf_matmul_q8k: {qtype} x {tuple(x.shape)}, blocks "
-                             f"{tuple(blocks.shape)} {blocks.dtype}")
-        code = _code(x) if out is None else _code(x, out)
-        if out is None:
-            out = x.new_empty((num_rows, n))
-        elif out.shape != (num_rows, n) or out.stride(1) != 1:
-            raise ValueError(f"gguf_matmul_q8k: out {tuple(out.shape)} strides {out.stride()}, "
-                             f"expected [{num_rows}, {n}] with contiguous rows")
-        status = self._gguf_matmul_q8k(layout[0], code, out.data_ptr(), out.stride(0),
-                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
-                                       n, k, num_threads)
-        if status == -5:
-            raise ValueError("gguf_matmul_q8k: this CPU or build has no AVX512-VNNI")
-        check_status(status, "gguf_matmul_q8k")
-        return out
-
-    def q8k_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q8_K activation quantization of :meth:`gguf_matmul_q8k`: ``x [M, K]`` ->
-        int8 codes ``[M, K]`` and float32 scales ``[M, K / 256]`` (``x ~ codes * scale``).
-
-        Raises:
-            ValueError: ``K % 256 != 0`` or a non-contiguous last dimension.
-        """
-        num_rows, k = x.shape
-        if k % 256 or x.stride(1) != 1 or num_rows < 1:
-            raise ValueError(f"q8k_quantize: x {tuple(x.shape)} (K a multiple of 256)")
-        codes = torch.empty((num_rows, k), dtype=torch.int8)
-        scales = torch.empty((num_rows, k // 256), dtype=torch.float32)
-        check_status(self._q8k_quantize(_code(x), x.data_ptr(), x.stride(0), num_rows, k,
-                                        codes.data_ptr(), scales.data_ptr()), "q8k_quantize")
-        return codes, scales
 
     @staticmethod
     def block_score_arrays(arrays: list[torch.Tensor | None]) -> BlockScoreArrays:

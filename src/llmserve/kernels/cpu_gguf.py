@@ -1,0 +1,147 @@
+"""Typed wrappers over the GGUF block-matmul kernels (``cpu_kernels.c``: Q8_0, and the
+Q5_0 / Q4_K / Q5_K / Q6_K blocks of ``gguf_matmul``; ``cpu_kernels_vnni.c``: the Q8_K
+activation path), mixed into :class:`~llmserve.kernels.cpu.CpuKernels`. Block layouts
+are ggml's (``ggml-common.h``); each wrapper checks shapes and dtypes and the C side
+checks the rest (a status)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.kernels.cpu_abi import GGUF_MATMUL_TYPES, _code, check_status
+
+
+class GgufMatmulKernels:
+    """The GGUF matmul wrappers of :class:`~llmserve.kernels.cpu.CpuKernels` (it binds
+    the ``_<name>`` ctypes functions these call)."""
+
+    def q8_0_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    num_threads: int = 1) -> torch.Tensor:
+        """``x W^T`` for a GGUF Q8_0 weight ``W = d * q`` kept as its blocks.
+
+        Args:
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
+            codes: int8 ``[N, K]`` contiguous; scales: float32 ``[N, K / 32]`` contiguous.
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype; float32 products and sums (each ``q * x`` exact).
+
+        Raises:
+            ValueError: shapes, dtypes or M outside 1..16.
+        """
+        num_rows, k = x.shape
+        n = codes.shape[0]
+        if codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.stride(1) != 1 or \
+                codes.shape != (n, k) or scales.shape != (n, k // 32) or k % 32 or \
+                not (codes.is_contiguous() and scales.is_contiguous()) or \
+                not 1 <= num_rows <= 16 or not (codes.is_cpu and scales.is_cpu):
+            raise ValueError(f"q8_0_matmul: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
+                             f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype}")
+        code = _code(x)
+        out = x.new_empty((num_rows, n))
+        check_status(self._q8_0_matmul(code, out.data_ptr(), x.data_ptr(), x.stride(0),
+                                 codes.data_ptr(), scales.data_ptr(), num_rows, n, k,
+                                 num_threads), "q8_0_matmul")
+        return out
+
+    def gguf_matmul(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
+                    num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` for a GGUF weight ``W [N, K]`` read straight from its blocks.
+
+        Args:
+            qtype: one of :data:`GGUF_MATMUL_TYPES` (``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"``,
+                ``"Q5_0"``, ``"Q8_0"``).
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
+            blocks: uint8 ``[N, K / block_weights * block_bytes]`` contiguous (the file's
+                bytes, row by row).
+            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided,
+                e.g. a column slice of a fused layer's output).
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype. Each weight is formed as ``q * s - o`` in float32,
+            equal to ``gguf.quants`` bit for bit; products and sums in float32.
+
+        Raises:
+            ValueError: unknown type, shapes, dtypes or M outside 1..16.
+        """
+        num_rows, k = x.shape
+        n = blocks.shape[0]
+        layout = GGUF_MATMUL_TYPES.get(qtype)
+        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
+                k % layout[1] or blocks.shape != (n, k // layout[1] * layout[2]) or \
+                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
+            raise ValueError(f"gguf_matmul: {qtype} x {tuple(x.shape)}, blocks "
+                             f"{tuple(blocks.shape)} {blocks.dtype}")
+        code = _code(x) if out is None else _code(x, out)
+        if out is None:
+            out = x.new_empty((num_rows, n))
+        elif out.shape != (num_rows, n) or out.stride(1) != 1:
+            raise ValueError(f"gguf_matmul: out {tuple(out.shape)} strides {out.stride()}, "
+                             f"expected [{num_rows}, {n}] with contiguous rows")
+        check_status(self._gguf_matmul(layout[0], code, out.data_ptr(), out.stride(0),
+                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
+                                       n, k, num_threads), "gguf_matmul")
+        return out
+
+    @property
+    def has_q8k_dot(self) -> bool:
+        """True where :meth:`gguf_matmul_q8k` runs (built with AVX512-VNNI, CPU has it)."""
+        return bool(self._gguf_q8k_available())
+
+    def gguf_matmul_q8k(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
+                        num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
+        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
+        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme (cpu_kernels_vnni.c).
+
+        Args:
+            qtype: ``"Q4_K"`` or ``"Q6_K"``.
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
+            blocks: uint8 ``[N, K / 256 * block_bytes]`` contiguous (the file's bytes).
+            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype: exact integer block sums times float32 scales,
+            summed in float32 in a fixed order (a row's result never depends on the others).
+
+        Raises:
+            ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI
+                (check :attr:`has_q8k_dot`).
+        """
+        num_rows, k = x.shape
+        n = blocks.shape[0]
+        layout = GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K") else None
+        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
+                k % 256 or blocks.shape != (n, k // 256 * layout[2]) or \
+                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
+            raise ValueError(f"gguf_matmul_q8k: {qtype} x {tuple(x.shape)}, blocks "
+                             f"{tuple(blocks.shape)} {blocks.dtype}")
+        code = _code(x) if out is None else _code(x, out)
+        if out is None:
+            out = x.new_empty((num_rows, n))
+        elif out.shape != (num_rows, n) or out.stride(1) != 1:
+            raise ValueError(f"gguf_matmul_q8k: out {tuple(out.shape)} strides {out.stride()}, "
+                             f"expected [{num_rows}, {n}] with contiguous rows")
+        status = self._gguf_matmul_q8k(layout[0], code, out.data_ptr(), out.stride(0),
+                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
+                                       n, k, num_threads)
+        if status == -5:
+            raise ValueError("gguf_matmul_q8k: this CPU or build has no AVX512-VNNI")
+        check_status(status, "gguf_matmul_q8k")
+        return out
+
+    def q8k_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_K activation quantization of :meth:`gguf_matmul_q8k`: ``x [M, K]`` ->
+        int8 codes ``[M, K]`` and float32 scales ``[M, K / 256]`` (``x ~ codes * scale``).
+
+        Raises:
+            ValueError: ``K % 256 != 0`` or a non-contiguous last dimension.
+        """
+        num_rows, k = x.shape
+        if k % 256 or x.stride(1) != 1 or num_rows < 1:
+            raise ValueError(f"q8k_quantize: x {tuple(x.shape)} (K a multiple of 256)")
+        codes = torch.empty((num_rows, k), dtype=torch.int8)
+        scales = torch.empty((num_rows, k // 256), dtype=torch.float32)
+        check_status(self._q8k_quantize(_code(x), x.data_ptr(), x.stride(0), num_rows, k,
+                                        codes.data_ptr(), scales.data_ptr()), "q8k_quantize")
+        return codes, scales
