@@ -107,23 +107,7 @@ static inline __attribute__((always_inline)) void kvc_attend_core(
         }
     }
     for (int64_t h = 0; h < H; h++) softmax_stats(scores + h * n, n, stats + 2 * h);
-    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    const int64_t rb = D + 2, sb = Hkv * rb;
-    cur = slots_from(table, bs, sp->start);
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *vp = vc + next_slot(&cur) * sb;
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            const uint8_t *r = vp + kvh * rb;
-            kvq_codes(KVQ_INT8, kv, r, D);
-            const float s = kvq_scale_of(r, D);
-            for (int64_t g = 0; g < G; g++) {
-                const float p = scores[(kvh * G + g) * n + j] * s;
-                float *o = acc + (kvh * G + g) * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += p * kv[d];
-            }
-        }
-    }
+    kvq_accumulate_values(KVQ_INT8, table, bs, sp->start, n, vc, Hkv, G, D, scores, kv, acc);
 }
 
 static void kvc_attend_span(const attn_args *a, int fmt, const attn_span *sp, float *scores,
@@ -149,7 +133,7 @@ int paged_attention_decode_quant_kc(int dtype, void *out, const void *query, int
         return -1;
     attn_args a = {dtype, out, query, key_cache, value_cache, block_table, seq_lens,
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, bt_stride, q_stride,
-                   window, scale};
+                   window, scale, NULL, NULL};  /* no block scores (not with h2o/snapkv) */
     return run_paged_decode(&a, KVQ_INT8_KC, kvc_attend_span, num_blocks, bt_width,
                             num_threads);
 }

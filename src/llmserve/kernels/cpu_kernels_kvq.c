@@ -152,6 +152,32 @@ static inline void kvq_codes(int fmt, float *restrict dst, const uint8_t *restri
     }
 }
 
+/* acc[H * D] = sum_j p[h, j] * V_j over a span's n positions from `start` on (p: scores
+ * [H, n] after the softmax), quantized value rows dequantized one at a time; shared by the
+ * per-token (this file) and per-channel-key (cpu_kernels_kvc.c) decode kernels */
+static inline __attribute__((always_inline)) void kvq_accumulate_values(
+    const int fmt, const int64_t *table, const int64_t bs, const int64_t start, const int64_t n,
+    const uint8_t *vc, const int64_t Hkv, const int64_t G, const int64_t D,
+    const float *scores, float *kv, float *acc) {
+    const int64_t rb = D + 2, sb = Hkv * rb;  /* bytes per head row, per slot */
+    for (int64_t i = 0; i < Hkv * G * D; i++) acc[i] = 0.f;
+    slot_cursor cur = slots_from(table, bs, start);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *vp = vc + next_slot(&cur) * sb;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const uint8_t *r = vp + kvh * rb;
+            kvq_codes(fmt, kv, r, D);
+            const float s = kvq_scale_of(r, D);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = scores[(kvh * G + g) * n + j] * s;
+                float *o = acc + (kvh * G + g) * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += p * kv[d];
+            }
+        }
+    }
+}
+
 /* one sequence, all heads; D and fmt compile-time constants in the common cases */
 static inline __attribute__((always_inline)) void kvq_attend_core(
     const attn_args *a, const attn_span *sp, float *scores, float *qbuf, float *kv, float *acc,
@@ -175,22 +201,7 @@ static inline __attribute__((always_inline)) void kvq_attend_core(
         }
     }
     for (int64_t h = 0; h < H; h++) softmax_stats(scores + h * n, n, stats + 2 * h);
-    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-    cur = slots_from(table, bs, sp->start);
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *vp = vc + next_slot(&cur) * sb;
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            const uint8_t *r = vp + kvh * rb;
-            kvq_codes(fmt, kv, r, D);
-            const float s = kvq_scale_of(r, D);
-            for (int64_t g = 0; g < G; g++) {
-                const float p = scores[(kvh * G + g) * n + j] * s;
-                float *o = acc + (kvh * G + g) * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += p * kv[d];
-            }
-        }
-    }
+    kvq_accumulate_values(fmt, table, bs, sp->start, n, vc, Hkv, G, D, scores, kv, acc);
 }
 
 #if defined(__AVX512F__)
