@@ -15,6 +15,7 @@ from llmserve.distributed.multiproc import RankFailedError
 from llmserve.engine.arg_utils import EngineArgs
 from llmserve.engine.kv_store_io import build_kv_store, write_new_blocks
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
+from llmserve.engine.request_checks import check_params_for_engine
 from llmserve.kv_cache import KVCacheManager
 from llmserve.loader import (
     load_model_config,
@@ -25,7 +26,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.planner.ledger import kv_cache_bytes_per_token, num_kv_cache_blocks
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Request, RequestStatus, Scheduler
-from llmserve.scheduler.kv_limits import KVLimiter
+from llmserve.scheduler.kv_limits import kv_limiter_for
 from llmserve.structured_output import GrammarCompilerCache
 from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
@@ -127,7 +128,7 @@ class LLMEngine:
                 self.runner.spec_decoder.num_lookahead_tokens if self.runner.spec_decoder
                 else 0),
             max_loras=config.lora_config.max_loras if config.lora_config else 0,
-            kv_limits=self._kv_limits(kv_manager))
+            kv_limits=kv_limiter_for(config, kv_manager))
         self.output_processor = OutputProcessor(tokenizer)
         # structured outputs: grammars compiled once per spec (the server compiles them
         # in a worker thread before adding the request, so a step never waits on one)
@@ -142,31 +143,6 @@ class LLMEngine:
 
             self.batch_queue = BatchQueue(config.parallel_config.pipeline_parallel_size)
         self._stalled_steps = 0
-
-    def _kv_limits(self, kv_manager: KVCacheManager) -> KVLimiter | None:
-        """Sliding-window freeing (every layer windowed) and KV eviction, or None.
-
-        Raises:
-            ValueError: eviction with speculative decoding, or bad eviction settings.
-        """
-        cc, mc = self.config.cache_config, self.config.model_config
-        window = mc.sliding_window if all(
-            mc.layer_sliding_window(i) is not None for i in range(mc.num_hidden_layers)) \
-            else None
-        spec = self.config.speculative_config is not None
-        if spec and cc.kv_eviction_policy != "none":
-            raise ValueError("kv_eviction_policy is not supported with speculative decoding")
-        if spec:  # its verifier lays out slots itself: no freeing under it yet
-            return None
-        limiter = KVLimiter(kv_manager, window, cc.kv_eviction_policy, cc.kv_budget_tokens,
-                            cc.num_sink_tokens)
-        cap = limiter.max_blocks(limiter.make_state(None),
-                                 self.config.scheduler_config.max_num_batched_tokens)
-        if cap is not None:
-            logger.info("KV per sequence capped at %d blocks (%s)", cap,
-                        f"sliding window {window}" if window else
-                        f"{cc.kv_eviction_policy}, budget {cc.kv_budget_tokens} tokens")
-        return limiter
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -284,24 +260,7 @@ class LLMEngine:
             lora_request = prompt["lora_request"]
         if lora_request is not None:
             self.add_lora(lora_request)  # ValueError: LoRA off, bad adapter
-        vocab = self.config.model_config.vocab_size
-        if self.config.speculative_config is not None:  # the verifier runs neither yet
-            if params.structured_outputs is not None:
-                raise ValueError("structured outputs (response_format / guided_*) are not "
-                                 "supported with speculative decoding yet; serve without "
-                                 "--speculative-config")
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs are not supported with speculative "
-                                 "decoding yet; serve without --speculative-config")
-        if params.structured_outputs is not None and \
-                self.config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("structured outputs (response_format / guided_*) are not "
-                             "supported with pipeline parallelism yet")
-        if params.structured_outputs is not None:
-            self.structured_output.compile(params.structured_outputs)  # cached; ValueError
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]} is not a token id in [0, {vocab})")
+        check_params_for_engine(self.config, params, self.structured_output)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         request_id = str(next(self._counter)) if request_id is None else str(request_id)

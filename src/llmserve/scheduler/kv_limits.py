@@ -21,9 +21,14 @@ rule; the eviction policies' own docstrings for theirs.
 
 from __future__ import annotations
 
+import logging
+
+from llmserve.config import EngineConfig
 from llmserve.kv_cache import KVCacheManager
 from llmserve.kv_cache.eviction import EvictionState, make_eviction_state
 from llmserve.utils import cdiv
+
+logger = logging.getLogger("llmserve")
 
 
 class KVLimiter:
@@ -125,3 +130,31 @@ class KVLimiter:
             return None
         return state.policy.score_from(state, req.num_prompt_tokens, req.num_computed_tokens,
                                        num_new)
+
+
+def kv_limiter_for(config: EngineConfig, kv_manager: KVCacheManager) -> KVLimiter | None:
+    """The engine's limiter: sliding-window freeing (when every layer is windowed) and KV
+    eviction, or None under speculative decoding (its verifier lays out slots itself).
+    Logs the per-sequence block cap.
+
+    Raises:
+        ValueError: eviction with speculative decoding, or bad eviction settings.
+    """
+    cc, mc = config.cache_config, config.model_config
+    window = mc.sliding_window if all(
+        mc.layer_sliding_window(i) is not None for i in range(mc.num_hidden_layers)) \
+        else None
+    spec = config.speculative_config is not None
+    if spec and cc.kv_eviction_policy != "none":
+        raise ValueError("kv_eviction_policy is not supported with speculative decoding")
+    if spec:
+        return None
+    limiter = KVLimiter(kv_manager, window, cc.kv_eviction_policy, cc.kv_budget_tokens,
+                        cc.num_sink_tokens)
+    cap = limiter.max_blocks(limiter.make_state(None),
+                             config.scheduler_config.max_num_batched_tokens)
+    if cap is not None:
+        logger.info("KV per sequence capped at %d blocks (%s)", cap,
+                    f"sliding window {window}" if window else
+                    f"{cc.kv_eviction_policy}, budget {cc.kv_budget_tokens} tokens")
+    return limiter
