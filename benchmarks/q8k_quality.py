@@ -54,7 +54,7 @@ def token_ids(text_file: str | None, tokens: int) -> list[int]:
         with open(text_file) as f:
             text = f.read()
     else:
-        from tests.test_quant_gguf import TEXT
+        from tests.test_quant_gguf_models import TEXT
         text = TEXT
     return load_tokenizer(source).encode(text)[:tokens]
 
@@ -69,7 +69,7 @@ def path_logits(which: str, ids: list[int], chunk: int) -> np.ndarray:
                     n_threads=torch.get_num_threads(), verbose=False)
         llm.eval(ids)
         return np.array(llm.scores[:len(ids)], dtype=np.float32)
-    from tests.test_quant_gguf import load_model, sequence_logits
+    from tests.test_quant_gguf_models import load_model, sequence_logits
 
     from llmserve.layers.quantization import get_quantization_config
 

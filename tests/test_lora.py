@@ -270,7 +270,7 @@ def test_adapter_around_native_gguf_int4_layers(tmp_path):
     from llmserve.loader.source import ModelSource
     from llmserve.lora import LoRARequest
     from llmserve.lora.manager import LoRAModelManager
-    from tests.test_quant_gguf import load_model, sequence_logits, write_tiny_gguf
+    from tests.test_quant_gguf_models import load_model, sequence_logits, write_tiny_gguf
 
     source = ModelSource("gguf", write_tiny_gguf(tmp_path / "tiny.gguf"), "tiny")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,

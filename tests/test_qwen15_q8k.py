@@ -21,7 +21,7 @@ from llmserve.layers.quantization import get_quantization_config
 from llmserve.layers.quantization.gguf_cpu import GGUFBlockWeight, q8k_enabled
 from llmserve.loader import ModelSource
 from llmserve.tokenizer import load_tokenizer
-from tests.test_quant_gguf import TEXT, load_model, perplexity, sequence_logits
+from tests.test_quant_gguf_models import TEXT, load_model, perplexity, sequence_logits
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (test extra)")
 

@@ -24,7 +24,7 @@ Qwen2.5-Coder-1.5B Q4_K_M, 96 tokens, every decoder linear layer W8A8, the rest
 float32, against the dequantized float32 model: without rotation max |logit diff|
 24.7, mean 0.195, perplexity +2.5%; with it 0.54 / 0.038 / +0.01%. In the engine
 (``gguf-hybrid-int8``: bfloat16 activations elsewhere, 100 tokens): logits within
-tests/test_quant_gguf.py's bounds (max < 1.5, mean < 0.1) but perplexity 11.900 vs
+tests/test_quant_gguf_models.py's bounds (max < 1.5, mean < 0.1) but perplexity 11.900 vs
 11.809 (+0.77%), outside its 0.5% bound, which is why it is not the default.
 
 Why: on a CPU without AMX, oneDNN's bf16 GEMM is slower than its fp32 one (no native
@@ -39,7 +39,7 @@ other rows of the call.
 
 Scheme: per-token x per-channel W8A8 (SmoothQuant's granularity, Xiao et al. 2023)
 with QuaRot's Hadamard rotation instead of smoothing; quality on the real model is
-checked in tests/test_quant_gguf.py.
+checked in tests/test_quant_gguf_models.py.
 """
 
 from __future__ import annotations
