@@ -11,6 +11,31 @@ import torch
 from llmserve.kernels.cpu_abi import GGUF_MATMUL_TYPES, _code, check_status
 
 
+def _gguf_call_args(what: str, layout: tuple[int, int, int] | None, qtype: str,
+                    x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None):
+    """``(layout, dtype code, out)`` for a block matmul of ``x [M, K]`` (1 <= M <= 16,
+    unit column stride) by ``blocks [N, K / weights_per_block * block_bytes]`` (uint8,
+    CPU, contiguous); ``out`` allocated ``[M, N]`` in ``x``'s dtype when None.
+
+    Raises:
+        ValueError: an unknown type (``layout`` None), or shapes, strides, dtypes.
+    """
+    num_rows, k = x.shape
+    n = blocks.shape[0]
+    if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
+            k % layout[1] or blocks.shape != (n, k // layout[1] * layout[2]) or \
+            not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
+        raise ValueError(f"{what}: {qtype} x {tuple(x.shape)}, blocks "
+                         f"{tuple(blocks.shape)} {blocks.dtype}")
+    code = _code(x) if out is None else _code(x, out)
+    if out is None:
+        out = x.new_empty((num_rows, n))
+    elif out.shape != (num_rows, n) or out.stride(1) != 1:
+        raise ValueError(f"{what}: out {tuple(out.shape)} strides {out.stride()}, "
+                         f"expected [{num_rows}, {n}] with contiguous rows")
+    return layout, code, out
+
+
 class GgufMatmulKernels:
     """The GGUF matmul wrappers of :class:`~llmserve.kernels.cpu.CpuKernels` (it binds
     the ``_<name>`` ctypes functions these call)."""
@@ -64,20 +89,10 @@ class GgufMatmulKernels:
         Raises:
             ValueError: unknown type, shapes, dtypes or M outside 1..16.
         """
+        layout, code, out = _gguf_call_args("gguf_matmul", GGUF_MATMUL_TYPES.get(qtype), qtype,
+                                            x, blocks, out)
         num_rows, k = x.shape
         n = blocks.shape[0]
-        layout = GGUF_MATMUL_TYPES.get(qtype)
-        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
-                k % layout[1] or blocks.shape != (n, k // layout[1] * layout[2]) or \
-                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
-            raise ValueError(f"gguf_matmul: {qtype} x {tuple(x.shape)}, blocks "
-                             f"{tuple(blocks.shape)} {blocks.dtype}")
-        code = _code(x) if out is None else _code(x, out)
-        if out is None:
-            out = x.new_empty((num_rows, n))
-        elif out.shape != (num_rows, n) or out.stride(1) != 1:
-            raise ValueError(f"gguf_matmul: out {tuple(out.shape)} strides {out.stride()}, "
-                             f"expected [{num_rows}, {n}] with contiguous rows")
         check_status(self._gguf_matmul(layout[0], code, out.data_ptr(), out.stride(0),
                                        x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
                                        n, k, num_threads), "gguf_matmul")
@@ -108,20 +123,11 @@ class GgufMatmulKernels:
             ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI
                 (check :attr:`has_q8k_dot`).
         """
+        layout, code, out = _gguf_call_args(
+            "gguf_matmul_q8k", GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K")
+            else None, qtype, x, blocks, out)
         num_rows, k = x.shape
         n = blocks.shape[0]
-        layout = GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K") else None
-        if layout is None or blocks.dtype != torch.uint8 or x.stride(1) != 1 or \
-                k % 256 or blocks.shape != (n, k // 256 * layout[2]) or \
-                not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
-            raise ValueError(f"gguf_matmul_q8k: {qtype} x {tuple(x.shape)}, blocks "
-                             f"{tuple(blocks.shape)} {blocks.dtype}")
-        code = _code(x) if out is None else _code(x, out)
-        if out is None:
-            out = x.new_empty((num_rows, n))
-        elif out.shape != (num_rows, n) or out.stride(1) != 1:
-            raise ValueError(f"gguf_matmul_q8k: out {tuple(out.shape)} strides {out.stride()}, "
-                             f"expected [{num_rows}, {n}] with contiguous rows")
         status = self._gguf_matmul_q8k(layout[0], code, out.data_ptr(), out.stride(0),
                                        x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
                                        n, k, num_threads)
