@@ -9,6 +9,8 @@ arm alike:
              decode step time with the decode rows' scores from the kernel
              (scored.KERNEL_DECODE_SCORES = True) vs the old path (False: every row of a
              scored step through layers/attention/scored.py), rounds of --steps steps.
+    prompt   the same engine: prefill time of one scored --context-token prompt, its rows
+             through the C kernels (scored.KERNEL_PROMPT_SCORES) vs the PyTorch path.
     kernel   one decode-attention call per layer (9 / 3 heads, head_dim 64, bf16 pages, a
              --budget and a --context-token sequence, x 30 layers): --baseline-rev's
              kernel (built from git, no score accumulator), this tree's with NULL score
@@ -33,11 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_decode import _median_ms, build_baseline  # noqa: E402
 
 
-def engine_rows(args) -> list[dict]:
+def _engine(args):
+    """The benchmark's engine and its random ``--context``-token prompt."""
     from llmserve.engine.arg_utils import EngineArgs
     from llmserve.engine.llm_engine import LLMEngine
-    from llmserve.layers.attention import scored
-    from llmserve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         dtype="bfloat16", quantization="gguf-hybrid", enable_prefix_caching=False,
@@ -45,6 +46,47 @@ def engine_rows(args) -> list[dict]:
         kv_eviction_policy=args.policy, kv_budget_tokens=args.budget))
     prompt = [int(t) for t in torch.randint(100, 40000, (args.context,),
                                            generator=torch.Generator().manual_seed(1))]
+    return engine, prompt
+
+
+def prompt_rows(args) -> list[dict]:
+    """Prefill time of one scored prompt (H2O scores every prompt row): the prompt rows
+    through the C kernels (scored.KERNEL_PROMPT_SCORES = True) vs the PyTorch scored path,
+    interleaved over --prompt-rounds fresh requests."""
+    from llmserve.layers.attention import scored
+    from llmserve.sampling_params import SamplingParams
+
+    engine, prompt = _engine(args)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(args.prompt_rounds):
+        for arm in (True, False):
+            scored.KERNEL_PROMPT_SCORES = arm
+            rid = f"p{r}{arm}"
+            engine.add_request(rid, {"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            t0 = time.perf_counter()
+            while not any(q.num_computed_tokens >= q.num_prompt_tokens
+                          for q in engine.scheduler.running):
+                engine.step()
+            times[arm].append(time.perf_counter() - t0)
+            engine.abort_request([rid])
+            while engine.has_unfinished_requests():
+                engine.step()
+    scored.KERNEL_PROMPT_SCORES = True
+    row = {"model": "smollm2-135m (engine)", "policy": args.policy, "context": args.context,
+           "rounds": args.prompt_rounds,
+           "kernel_prompt_prefill_s": round(min(times[True]), 2),
+           "pytorch_prompt_prefill_s": round(min(times[False]), 2)}
+    row["speedup"] = round(row["pytorch_prompt_prefill_s"] / row["kernel_prompt_prefill_s"], 1)
+    print(row, flush=True)
+    return [row]
+
+
+def engine_rows(args) -> list[dict]:
+    from llmserve.layers.attention import scored
+    from llmserve.sampling_params import SamplingParams
+
+    engine, prompt = _engine(args)
     engine.add_request("h2o", {"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=2 * args.rounds * args.steps + 8,
                                       temperature=0.0, ignore_eos=True))
@@ -127,6 +169,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline-rev", default="720c517",
                    help="git revision whose decode kernel has no score accumulator")
+    p.add_argument("--prompt-rounds", type=int, default=2,
+                   help="scored prompts per arm (prefill: kernel vs PyTorch scores)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--kernel-rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
@@ -135,6 +179,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result = {"threads": torch.get_num_threads(), "baseline_rev": args.baseline_rev,
               "kernel": kernel_rows(args), "engine": engine_rows(args),
+              "prompt": prompt_rows(args),
               "load_average": os.getloadavg()[0]}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -184,8 +184,9 @@ def _mixed_step(window, prompt_first_row):
 @pytest.mark.parametrize("prompt_first_row", [None, 12])
 def test_cpu_backend_scores_decodes_in_the_kernel(kernels, layer_window, prompt_first_row):
     """A mixed step: the decode rows' scores come from the C kernel and equal the PyTorch
-    scored path; their outputs are the unscored step's bits. A scored prompt takes the
-    scored path; with none scored the prompt rows are the unscored step's bits too."""
+    scored path; their outputs are the unscored step's bits. A scored prompt's rows take
+    the kernel too (one-token decodes); with none scored the prompt rows are the unscored
+    step's bits."""
     from llmserve.layers.attention import scored
     from llmserve.layers.attention.cpu import CpuAttentionBackend
 
@@ -198,12 +199,13 @@ def test_cpu_backend_scores_decodes_in_the_kernel(kernels, layer_window, prompt_
         common.block_scores = None if scores is None else {
             i: BlockScoreRequest(r, torch.zeros(len(tables[i]))) for i, r in scores.items()}
         kc, vc = key_cache.clone(), value_cache.clone()
-        saved, scored.KERNEL_DECODE_SCORES = scored.KERNEL_DECODE_SCORES, kernel_scores
+        saved = scored.KERNEL_DECODE_SCORES, scored.KERNEL_PROMPT_SCORES
+        scored.KERNEL_DECODE_SCORES = scored.KERNEL_PROMPT_SCORES = kernel_scores
         try:
             out = backend.forward(query, key, value, kc, vc,
                                   CpuAttentionBackend.build_metadata(common))
         finally:
-            scored.KERNEL_DECODE_SCORES = saved
+            scored.KERNEL_DECODE_SCORES, scored.KERNEL_PROMPT_SCORES = saved
         return out, {i: r.scores for i, r in (common.block_scores or {}).items()}
 
     plain, _ = run(None)
@@ -212,8 +214,6 @@ def test_cpu_backend_scores_decodes_in_the_kernel(kernels, layer_window, prompt_
     assert torch.equal(got[:2], plain[:2])  # decode rows: the kernel, scored or not
     if prompt_first_row is None:
         assert torch.equal(got[2:], plain[2:])
-    else:
-        assert torch.equal(got[2:], want[2:])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert got_scores.keys() == want_scores.keys()
     for i in got_scores:
@@ -230,3 +230,56 @@ def test_cpu_backend_scores_decodes_in_the_kernel(kernels, layer_window, prompt_
     assert torch.equal(halves, got)
     for i, r in common.block_scores.items():
         assert torch.equal(r.scores, got_scores[i])
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, None), (torch.bfloat16, None),
+                                       (torch.float32, "int8"), (torch.bfloat16, "fp8_e4m3")])
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("first_row", [0, 700])
+def test_prompt_block_scores_equal_scored_attention(kernels, dtype, fmt, window, first_row):
+    """Scored prompt rows through the kernels (each token a one-token decode): outputs and
+    block scores equal ``scored_attention``'s, for a whole prompt over several spans, a
+    chunk after cached context and an unscored prompt beside them; H2O scores every
+    row (``first_row`` 0), SnapKV its window (700: some rows of the long prompt only)."""
+    from llmserve.layers.attention.cpu import CpuAttentionBackend
+    from llmserve.layers.attention.scored import kernel_prompt_scores
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim = 9, 3, 64
+    query_lens, seq_lens = [1100, 40, 300], [1100, 600, 300]
+    num_blocks = 2 + sum(-(-n // BS) for n in seq_lens)
+    key_cache = torch.randn(num_blocks, BS, kv_heads, dim, generator=gen) * 2
+    value_cache = torch.randn(key_cache.shape, generator=gen)
+    if fmt is None:
+        key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    else:
+        key_cache, value_cache = quantize_kv(key_cache, fmt), quantize_kv(value_cache, fmt)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used:used + -(-n // BS)])
+        used += len(tables[-1])
+    query = (torch.randn(sum(query_lens), heads, dim, generator=gen) * 2).to(dtype)
+    backend = CpuAttentionBackend(heads, dim, kv_heads, dim ** -0.5, sliding_window=window)
+
+    def common():
+        md = CommonAttentionMetadata.from_lists(query_lens, seq_lens, tables, BS,
+                                                sliding_window=window)
+        md.block_scores = {i: BlockScoreRequest(first_row, torch.zeros(len(tables[i])))
+                           for i in (0, 1)}  # the third prompt is not scored
+        return md
+
+    want_md = common()
+    want = scored_attention(backend, query, key_cache, value_cache, want_md)
+    got_md = common()
+    metadata = CpuAttentionBackend.build_metadata(got_md)
+    got = kernel_prompt_scores(backend, query, key_cache, value_cache, metadata, got_md)
+    again = kernel_prompt_scores(backend, query, key_cache, value_cache, metadata, got_md)
+    assert torch.equal(got, again)  # a second layer: the same tables, scores added again
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for i in (0, 1):
+        ref, mine = want_md.block_scores[i].scores, got_md.block_scores[i].scores / 2
+        torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+        rows = max(0, query_lens[i] - first_row)
+        assert float(mine.sum()) == pytest.approx(heads * rows, rel=1e-5)

@@ -305,9 +305,9 @@ def _h2o_trace(engine, prompts, new):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypatch,
                                                                   kv_cache_dtype):
-    """H2O's decode rows take the C decode kernel's score accumulator (no decode row runs
-    the PyTorch scored path); tokens, evictions and scores equal the all-PyTorch path's
-    (float32 pages, and int8 pages: the PyTorch path reads them dequantized)."""
+    """H2O's decode and prompt rows take the C decode kernel's score accumulator (no row
+    runs the PyTorch scored path); tokens, evictions and scores equal the all-PyTorch
+    path's (float32 pages, and int8 pages: the PyTorch path reads them dequantized)."""
     from llmserve.layers.attention import scored
     from tests.conftest import engine_variant
 
@@ -324,11 +324,12 @@ def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypa
     runs = {}
     for kernel in (True, False):
         monkeypatch.setattr(scored, "KERNEL_DECODE_SCORES", kernel)
+        monkeypatch.setattr(scored, "KERNEL_PROMPT_SCORES", kernel)
         calls.clear()
         engine = engine_variant(base, cache={"num_gpu_blocks_override": 40,
                                              "kv_cache_dtype": kv_cache_dtype}).engine
         runs[kernel] = _h2o_trace(engine, prompts, 48)
-        assert any(calls) is not kernel  # the kernel run sends prompt rows only
+        assert (not calls) if kernel else any(calls)  # the kernel run: no row in PyTorch
     (tok_k, trace_k), (tok_p, trace_p) = runs[True], runs[False]
     assert tok_k == tok_p and len(tok_k["a"]) == len(tok_k["b"]) == 48
     assert len(trace_k) == len(trace_p)
@@ -336,5 +337,8 @@ def test_h2o_decode_scores_from_the_kernel_match_the_pytorch_path(tiny, monkeypa
         assert step_k.keys() == step_p.keys()
         for rid, (kept, scores) in step_k.items():
             assert kept == step_p[rid][0]  # the same blocks evicted
+            # int8: the prompt rows' outputs differ in the last bits between the paths, so
+            # a few K/V codes round the other way in later layers
+            rtol = 1e-3 if kv_cache_dtype == "int8" else 1e-4
             torch.testing.assert_close(torch.tensor(scores), torch.tensor(step_p[rid][1]),
-                                       rtol=1e-4, atol=1e-4)
+                                       rtol=rtol, atol=1e-4)

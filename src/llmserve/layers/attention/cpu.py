@@ -87,6 +87,8 @@ class CpuAttentionMetadata:
     block_scores: dict | None = None
     # [the decode rows' accumulators for the C decode kernels, or None], built on first use
     decode_scores: list | None = None
+    # a scored step's prompt rows as one-token decodes (scored.PromptScoreTables)
+    prompt_scores: object | None = None
 
     def for_window(self, window: int | None) -> CpuAttentionMetadata:
         """This step's metadata with sliding window ``window`` (self when it already is),

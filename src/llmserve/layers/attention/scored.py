@@ -40,6 +40,12 @@ ROW_TILE = 256
 KERNEL_DECODE_SCORES = True
 
 
+# scored prompt rows (H2O's prompt, SnapKV's window) take the C decode kernels too, each
+# token as a one-token decode of its own context (kernel_prompt_scores); False sends them
+# to scored_attention
+KERNEL_PROMPT_SCORES = True
+
+
 @dataclass
 class BlockScoreRequest:
     """One scored sequence of a step: its query rows ``first_row ..`` (relative to its
@@ -150,8 +156,13 @@ def cpu_scored_forward(backend, query: torch.Tensor, key: torch.Tensor, value: t
             return decoded
     if any(i >= step_nd and req.first_row < common.query_lens[i]
            for i, req in metadata.block_scores.items()):
-        prompts = scored_attention(backend, query[nd:], key_cache, value_cache, common,
-                                   step_nd)
+        prompts = None
+        if KERNEL_PROMPT_SCORES:
+            prompts = kernel_prompt_scores(backend, query[nd:], key_cache, value_cache,
+                                           metadata, common)
+        if prompts is None:
+            prompts = scored_attention(backend, query[nd:], key_cache, value_cache, common,
+                                       step_nd)
     else:
         prompts = backend._prefill(query[nd:], key[nd:], value[nd:], key_cache, value_cache,
                                    metadata)
@@ -160,3 +171,86 @@ def cpu_scored_forward(backend, query: torch.Tensor, key: torch.Tensor, value: t
     output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
     output[:nd], output[nd:] = decoded, prompts
     return output
+
+
+@dataclass
+class PromptScoreTables:
+    """A scored step's prompt rows as one-token decodes, built once per step (and window):
+    per prompt token its sequence's block table row and ``seq_len = position + 1``, and
+    one accumulator row per scored token (the kernels need one array per row: rows run
+    on different threads)::
+
+        scratch [num_scored_rows, width] float32 --sum rows of a request--> its scores
+
+    ``spans``: ``(request, first scratch row, end scratch row)`` per scored prompt."""
+
+    block_table: torch.Tensor  # [num_prompt_tokens, width] int64
+    seq_lens: torch.Tensor  # [num_prompt_tokens] int64
+    scratch: torch.Tensor  # [num_scored_rows, width] float32
+    arrays: object  # kernels.cpu.BlockScoreArrays over the prompt tokens
+    spans: list
+
+
+def _prompt_score_tables(metadata, common) -> PromptScoreTables:
+    from llmserve.kernels.cpu import CpuKernels
+    from llmserve.layers.attention.cpu import _quant_prefill_tables
+
+    block_table, seq_lens = _quant_prefill_tables(metadata.prefills)
+    width = block_table.shape[1]
+    scored_rows, spans, lo = [], [], 0  # per prompt token: scored?; per scored prompt
+    for i in range(common.num_decodes, common.num_seqs):
+        n = common.query_lens[i]
+        req = metadata.block_scores.get(i)
+        first = n if req is None else min(max(req.first_row, 0), n)
+        if first < n:
+            spans.append((req, lo, lo + n - first))
+            lo += n - first
+        scored_rows.extend([False] * first + [True] * (n - first))
+    scratch = torch.zeros(lo, width, dtype=torch.float32)
+    arrays, k = [], 0
+    for scored in scored_rows:
+        arrays.append(scratch[k] if scored else None)
+        k += scored
+    return PromptScoreTables(block_table, seq_lens, scratch,
+                             CpuKernels.block_score_arrays(arrays), spans)
+
+
+def kernel_prompt_scores(backend, query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, metadata, common) -> torch.Tensor | None:
+    """A scored step's prompt rows through the C decode kernels: each token as a
+    one-token decode of its own context (as the quantized prompt path), its block scores
+    accumulated by the kernel's own softmax into its scratch row, the rows of each scored
+    prompt then summed into its ``BlockScoreRequest``. The same sums as
+    :func:`scored_attention` (its test oracle), in float32, without a probability matrix.
+
+    Args:
+        query: ``[num_prompt_tokens, num_heads, head_dim]``, the step's prompt rows (K/V
+            written); metadata: the layer's ``CpuAttentionMetadata`` (window applied).
+
+    Returns:
+        ``[num_prompt_tokens, num_heads, head_dim]`` in ``query``'s dtype, or None where
+        the kernels do not apply (no library, not CPU, another dtype or layout).
+    """
+    from llmserve.kernels import get_cpu_kernels
+    from llmserve.layers.attention.kv_quant import kv_cache_format
+    from llmserve.layers.attention.kv_quant_pc import is_per_channel_key_cache
+
+    kernels = get_cpu_kernels()
+    fmt = kv_cache_format(key_cache)
+    if kernels is None or not key_cache.is_cpu or query.stride(1) != backend.head_dim or \
+            query.dtype not in (torch.float32, torch.bfloat16) or \
+            (fmt is None and key_cache.dtype != query.dtype) or \
+            is_per_channel_key_cache(key_cache, backend.head_dim):
+        return None
+    tables = metadata.prompt_scores
+    if tables is None:
+        tables = metadata.prompt_scores = _prompt_score_tables(metadata, common)
+    args = (query, key_cache, value_cache, tables.block_table, tables.seq_lens,
+            backend.scale, metadata.sliding_window, torch.get_num_threads(), tables.arrays)
+    out = kernels.paged_attention_decode_quant(fmt, *args) if fmt is not None else \
+        kernels.paged_attention_decode(*args)
+    for req, lo, hi in tables.spans:  # this layer's sums into each request's scores
+        n = min(req.scores.shape[0], tables.scratch.shape[1])
+        req.scores[:n] += tables.scratch[lo:hi, :n].sum(0)
+    tables.scratch.zero_()
+    return out
