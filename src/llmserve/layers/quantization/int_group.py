@@ -9,7 +9,8 @@ unsigned codes ``q`` in ``0 .. 2**bits - 1``, a scale ``s`` and an integer zero 
 The formats differ only in how ``q`` / ``z`` / ``s`` are packed into int32 words (see
 ``gptq.py``, ``awq.py``, ``compressed_tensors.py``); each reader unpacks to a
 :class:`GroupQuantizedTensor` and this module repacks it for PyTorch's int4 CPU
-kernel (contract in :mod:`~llmserve.layers.quantization.int4pack`)::
+kernel (contract in :mod:`~llmserve.layers.quantization.int4pack`); 8-bit layers go to
+the Q8_0 C kernel instead (``int8_group.py``)::
 
     kernel:  w = (q - 8) * s' + z'      so  s' = s,  z' = (8 - z) * s
 
@@ -21,7 +22,7 @@ kernel's weight equals the formula above bit for bit. With bfloat16 activations
 Act-order (GPTQ ``desc_act``, ``g_idx`` not ``k // group``): the input columns are
 permuted so that every group is contiguous (``perm = argsort(g_idx)``, stable) and
 the activations are permuted the same way at run time, ``x[:, perm]`` (as vLLM's
-exllama / Marlin ``g_idx`` sort). Layers the kernel cannot run (bits != 4, a group
+exllama / Marlin ``g_idx`` sort). Layers the kernels cannot run (2 bits, a group
 the kernel lacks, fused shards with different ``g_idx``) stay dense, dequantized
 to the model dtype, with one log line.
 """
@@ -102,14 +103,9 @@ def trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
                                           torch.arange(g_idx.numel()) // group_size)
 
 
-def kernel_layout(t: GroupQuantizedTensor) -> tuple[torch.Tensor | None, int] | None:
-    """``(perm, kernel_group)`` to run ``t`` on the int4 kernel, or None when it cannot.
-
-    ``perm`` (int64 ``[K]`` or None) sorts the input columns into contiguous groups of
-    equal size; ``kernel_group`` is the largest kernel group dividing that size.
-    """
-    if t.bits != 4:
-        return None
+def contiguous_groups(t: GroupQuantizedTensor) -> tuple[torch.Tensor | None, int] | None:
+    """``(perm, size)``: ``perm`` (int64 ``[K]`` or None) sorts the input columns into
+    contiguous groups of ``size`` columns each; None when the groups differ in size."""
     k = t.shape[1]
     perm, size = None, t.group_size
     if t.g_idx is not None:
@@ -119,8 +115,25 @@ def kernel_layout(t: GroupQuantizedTensor) -> tuple[torch.Tensor | None, int] | 
         size = int(counts[0])
         if not torch.equal(t.g_idx, torch.arange(k) // size):
             perm = torch.argsort(t.g_idx, stable=True)
+    return perm, size
+
+
+def kernel_layout(t: GroupQuantizedTensor) -> tuple[torch.Tensor | None, int] | None:
+    """``(perm, kernel_group)`` to run ``t`` on the int4 kernel, or None when it cannot:
+    ``perm`` as :func:`contiguous_groups`; ``kernel_group`` the largest kernel group
+    dividing the group size."""
+    layout = contiguous_groups(t) if t.bits == 4 else None
+    if layout is None:
+        return None
+    perm, size = layout
+    k = t.shape[1]
     group = next((g for g in KERNEL_GROUPS if size % g == 0 and k % g == 0), None)
     return None if group is None else (perm, group)
+
+
+def _same_perm(perms: list[torch.Tensor | None]) -> bool:
+    return all((p is None) == (perms[0] is None) and
+               (p is None or torch.equal(p, perms[0])) for p in perms)
 
 
 def pack_int4_groups(shards: list[GroupQuantizedTensor], perm: torch.Tensor | None,
@@ -243,22 +256,28 @@ class CheckpointLinearMethod(LinearMethodBase):
 
 
 class Int4GroupLinearMethod(CheckpointLinearMethod):
-    """4-bit group-quantized shards -> :class:`Int4GroupWeight` (dense when it cannot)."""
+    """Group-quantized shards -> :class:`Int4GroupWeight` (4-bit) or
+    :class:`~llmserve.layers.quantization.int8_group.Int8GroupWeight` (8-bit); dense
+    when neither kernel can run them. Fused shards with different act-order stay dense
+    (one ``x`` permutation only)."""
 
-    def pack(self, shards: list[QuantizedTensor],
-             dtype: torch.dtype) -> Int4GroupWeight | None:
+    def pack(self, shards: list[QuantizedTensor], dtype: torch.dtype) -> Any:
         if dtype not in KERNEL_DTYPES or \
                 not all(isinstance(t, GroupQuantizedTensor) for t in shards):
             return None
+        if all(t.bits == 8 for t in shards):
+            from llmserve.layers.quantization.int8_group import pack_int8_groups
+
+            layouts = [contiguous_groups(t) for t in shards]
+            if any(lay is None for lay in layouts) or not _same_perm(
+                    [lay[0] for lay in layouts]) or len({lay[1] for lay in layouts}) != 1:
+                return None
+            return pack_int8_groups(shards, layouts[0][0], layouts[0][1], dtype)
         layouts = [kernel_layout(t) for t in shards]
-        if any(lay is None for lay in layouts):
+        if any(lay is None for lay in layouts) or not _same_perm([lay[0] for lay in layouts]):
             return None
-        perms = [lay[0] for lay in layouts]
-        if any((p is None) != (perms[0] is None) or
-               (p is not None and not torch.equal(p, perms[0])) for p in perms):
-            return None  # fused shards with different act-order: one x permutation only
         group = min(lay[1] for lay in layouts)
-        return pack_int4_groups(shards, perms[0], group, dtype)
+        return pack_int4_groups(shards, layouts[0][0], group, dtype)
 
 
 class CheckpointQuantizationConfig(QuantizationConfig):
