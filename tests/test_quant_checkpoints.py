@@ -30,6 +30,7 @@ from llmserve.layers.quantization.int_group import (
 )
 from llmserve.layers.quantization.w8a8 import W8A8LinearMethod
 from llmserve.loader.safetensors_loader import iter_safetensors_weights
+from llmserve.worker.model_loading import model_weight_bytes
 from tests.quant_checkpoints import hf_greedy, make_hf_llama, reference_model, write_checkpoint
 
 try:
@@ -102,6 +103,14 @@ def test_native_greedy_equals_transformers(hf_model, tmp_path, variant):
         {"Int4GroupLinearMethod", "UnquantizedLinearMethod"}
     assert methods["lm_head"] == ("Int4GroupLinearMethod" if opts.get("lm_head")
                                   else "UnquantizedLinearMethod")
+    # the packed kernels count in the engine's weight bytes (KV budget, planner, advisor):
+    # at least the 4-bit codes, well under the fp32 weights they replace
+    model = llm.engine.runner.model
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if p.device.type != "meta")
+    packed = sum(deq[n].numel() for n, m in model.named_modules() if n in deq
+                 and isinstance(m, Linear) and m.weight.device.type == "meta")
+    assert dense + packed // 2 <= model_weight_bytes(model) < dense + packed * 4
     ref = reference_model(hf_model, deq)
     assert _greedy(llm) == hf_greedy(ref, PROMPTS, NEW_TOKENS)
     with torch.no_grad():  # the fp32 kernel's weights are exact: only summation order differs
@@ -291,10 +300,17 @@ def test_mismatched_or_malformed_tensors(gptq_dir, tmp_path):
         _llm(path)
 
 
-def test_gptq_8bit_loads_dense():
-    """8-bit GPTQ words hold 4 fields (bits 8i); the layer runs dense on the formula."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["q8-kernel", "no-kernels"])
+def test_gptq_8bit_packs_for_q8_kernel(kernels, monkeypatch):
+    """8-bit GPTQ words hold 4 fields (bits 8i); the layer runs on the C Q8_0 kernel
+    (W8A16) where it is built, dense on the same formula where it is not."""
+    from llmserve.layers.quantization import int8_group
     from llmserve.layers.quantization.gptq import GPTQConfig
 
+    if not kernels:
+        monkeypatch.setattr(int8_group, "get_cpu_kernels", lambda: None)
+    elif int8_group.get_cpu_kernels() is None:
+        pytest.skip("C kernels not built")
     torch.manual_seed(2)
     n, k, group = 16, 64, 32
     codes = torch.randint(0, 256, (k, n), dtype=torch.int64)  # [K, N] as GPTQ stores it
@@ -312,8 +328,13 @@ def test_gptq_8bit_loads_dense():
     assert torch.equal(t.dequantize(), want)
     layer = Linear(k, n)
     layer.weight_loader(layer.weight, t)
-    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
-    assert torch.equal(layer.weight, want)
+    x = torch.randn(3, k)
+    if kernels:
+        assert isinstance(layer.quant_method.kernel, int8_group.Int8GroupWeight)
+        torch.testing.assert_close(layer(x), x @ want.t(), rtol=1e-4, atol=1e-4)
+    else:
+        assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+        assert torch.equal(layer.weight, want)
 
 
 def test_w8a8_static_per_tensor_activations():

@@ -206,45 +206,12 @@ def skip_reason(level: Level, config: Any) -> str | None:
     return f"group {level.group_size} does not divide in_features {bad}" if bad else None
 
 
-def engine_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights as the engine holds them: every parameter, buffer and tensor
-    held by a layer's ``quant_method`` (packed kernels, int8 codes, scales), each
-    storage counted once (``model_weight_bytes`` misses some methods' kernels)."""
-    seen: set[int] = set()
-    total = 0
-
-    def add(t: torch.Tensor) -> None:
-        nonlocal total
-        if t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-
-    def walk(obj: Any, depth: int) -> None:
-        if isinstance(obj, torch.Tensor):
-            add(obj)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v, depth)
-        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
-            for v in vars(obj).values():
-                walk(v, depth - 1)
-
-    for t in [*model.parameters(), *model.buffers()]:
-        add(t)
-        walk(getattr(t, "packed", None), 3)  # GGUF packed blocks hang off the parameter
-    for m in model.modules():
-        walk(getattr(m, "quant_method", None), 3)
-    return total
-
-
 def measure_speed(checkpoint: str, settings: Settings, kv_cache_dtype: str = "auto",
                   ) -> dict[str, float]:
     """Batch-1 decode tokens/s ((n - 1) / (last - first token time)), batched output
     tokens/s (``batch_size`` prompts, wall time), weight and KV bytes, through ``LLM``."""
     from llmserve import LLM, SamplingParams
+    from llmserve.worker.model_loading import model_weight_bytes
 
     llm = LLM(model=checkpoint, kv_cache_memory="64MiB", max_model_len=256,
               kv_cache_dtype=kv_cache_dtype)
@@ -265,7 +232,7 @@ def measure_speed(checkpoint: str, settings: Settings, kv_cache_dtype: str = "au
     wall = time.perf_counter() - start
     total = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"decode_tok_s": decode, "batch_tok_s": total / wall,
-           "memory_bytes": engine_weight_bytes(llm.engine.runner.model),
+           "memory_bytes": model_weight_bytes(llm.engine.runner.model),
            "kv_bytes_per_token": llm.engine.kv_bytes_per_token}
     del llm
     return res

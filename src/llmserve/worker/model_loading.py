@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmserve.config import EngineConfig
@@ -63,18 +65,36 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's weights: dense parameters plus packed native weights."""
-    total, seen = 0, set()
-    for p in model.parameters():
-        if p.device.type != "meta" and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-        packed = getattr(p, "packed", None)
-        if packed is not None and hasattr(packed, "nbytes"):
-            total += packed.nbytes()
+    """Bytes of the weights as the engine holds them: every parameter, and every tensor
+    held by a layer's ``quant_method`` (packed kernels of GGUF and checkpoint layers,
+    int8 codes, scales) or hung off a parameter (``p.packed``), each storage counted
+    once (tied embeddings, shared packed LM heads). Buffers (RoPE tables) are not
+    weights and are left out, as the planner's ledger leaves them out."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+
+    def walk(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth)
+        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            for v in vars(obj).values():
+                walk(v, depth - 1)
+
+    for t in model.parameters():
+        add(t)
+        walk(getattr(t, "packed", None), 3)
     for m in model.modules():
-        qm = getattr(m, "quant_method", None)
-        packed = getattr(qm, "packed", None)
-        if packed is not None and hasattr(packed, "nbytes"):
-            total += packed.nbytes()
+        walk(getattr(m, "quant_method", None), 3)
     return total
