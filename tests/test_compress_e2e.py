@@ -138,19 +138,19 @@ def _dequant_ct(t: dict[str, torch.Tensor], m: str, qc: dict) -> torch.Tensor:
     return comp.decompress(state, scheme)["weight"].float()
 
 
-def _reference(out: str, fmt: str) -> torch.nn.Module:
-    """transformers fp32 on the checkpoint: dense tensors as written, quantized modules
-    dequantized by the independent unpackers above."""
+def _reference(out: str, fmt: str, **extra) -> torch.nn.Module:
+    """transformers fp32 on the checkpoint: dense tensors as written (biases too),
+    quantized modules' weights dequantized by the independent unpackers above."""
     qc = json.loads(_read(os.path.join(out, "config.json")))["quantization_config"]
     t = load_file(os.path.join(out, "model.safetensors"))
-    ref = make_hf_llama()
+    ref = make_hf_llama(**extra)
     state = ref.state_dict()
-    modules = {k.rsplit(".", 1)[0] for k in t if not k.endswith(".weight") or
+    modules = {k.rsplit(".", 1)[0] for k in t if not k.endswith((".weight", ".bias")) or
                k.endswith("_packed") or t[k].dtype == torch.int8}
     modules = {m for m in modules if m in dict(ref.named_modules())}
     for name in state:
         m = name.rsplit(".", 1)[0]
-        if m in modules:
+        if m in modules and name.endswith(".weight"):
             if fmt == "gptq":
                 state[name] = _dequant_gptq(t, m, qc["bits"])
             elif fmt == "awq":
@@ -205,6 +205,27 @@ def test_quantized_checkpoint_loads_with_reference_greedy(tiny, tmp_path, method
         assert math.isclose(dense.perplexity, native.perplexity, rel_tol=1e-3)
         assert math.isclose(dense.kl_mean, native.kl_mean, rel_tol=1e-2)
         assert 0 < dense.kl_mean <= dense.kl_max and 0.5 < dense.top1_agreement <= 1
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_quantized_linears_keep_their_biases(tiny, tmp_path, fmt):
+    """q/k/v/o biases (Llama ``attention_bias``; Qwen2's q/k/v) are written beside the
+    packed weights and loaded: greedy tokens equal transformers with those biases."""
+    if fmt == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    _, _, calib, _ = tiny
+    model = make_hf_llama(attention_bias=True)
+    path = str(tmp_path / "dense")
+    model.save_pretrained(path, safe_serialization=True)
+    save_tokenizer(path, model.config.vocab_size)
+    out = quantize_checkpoint(path, QuantizeOptions("rtn", 4, 32), str(tmp_path / "q"),
+                              fmt=fmt, calib=calib, num_samples=8, seq_len=64, progress=False)
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            assert torch.equal(stored[name], p.detach().float()), name
+    ref = _reference(out, fmt, attention_bias=True)
+    assert _llm_greedy(out) == hf_greedy(ref, PROMPTS, NEW_TOKENS)
 
 
 def test_smoothquant_w8a8_logits_close_to_fp32(tiny, tmp_path):

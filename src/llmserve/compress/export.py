@@ -157,9 +157,9 @@ def save_quantized(qm: QuantizedModel, output: str, fmt: str, tokenizer: Any) ->
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if module in qm.weights or (tied and name == "lm_head.weight"):
-            continue
+        module, suffix = name.rsplit(".", 1)
+        if (module in qm.weights and suffix == "weight") or (tied and name == "lm_head.weight"):
+            continue  # a quantized linear's bias (Qwen2's q/k/v) stays, in float32
         tensors[name] = t.detach().float().contiguous()
     for module, weight in qm.weights.items():
         for suffix, t in module_tensors(weight, fmt).items():
