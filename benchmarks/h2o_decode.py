@@ -174,13 +174,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--kernel-rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--parts", default="kernel,engine,prompt",
+                   help="comma-separated parts to run (kernel, engine, prompt)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    result = {"threads": torch.get_num_threads(), "baseline_rev": args.baseline_rev,
-              "kernel": kernel_rows(args), "engine": engine_rows(args),
-              "prompt": prompt_rows(args),
-              "load_average": os.getloadavg()[0]}
+    parts = {"kernel": kernel_rows, "engine": engine_rows, "prompt": prompt_rows}
+    result = {"threads": torch.get_num_threads(), "baseline_rev": args.baseline_rev}
+    for name in args.parts.split(","):
+        if name not in parts:
+            p.error(f"--parts: unknown part {name!r}; choose from {sorted(parts)}")
+        result[name] = parts[name](args)
+    result["load_average"] = os.getloadavg()[0]
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -81,34 +81,41 @@ def scored_attention(backend, query: torch.Tensor, key_cache: torch.Tensor,
     requests = common.block_scores
     output = torch.empty_like(query)
     device = query.device
+    num_kv, group = backend.num_kv_heads, backend.num_queries_per_kv
     start = 0
     for i in range(first_seq, common.num_seqs if end_seq is None else end_seq):
         query_len, seq_len = common.query_lens[i], common.seq_lens_list[i]
-        end = start + query_len
         num_blocks = (seq_len + block_size - 1) // block_size
         block_ids = common.block_table[i, :num_blocks]
-        # [seq_len, num_kv_heads, head_dim] -> [seq_len, num_heads, head_dim]
-        seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len])
-        seq_value = dequantize_kv(value_cache[block_ids].flatten(0, 1)[:seq_len])
-        seq_key = seq_key.repeat_interleave(backend.num_queries_per_kv, dim=1)
-        seq_value = seq_value.repeat_interleave(backend.num_queries_per_kv, dim=1)
+        # [num_kv_heads, seq_len, head_dim] float32; query heads h = kv * group + g
+        seq_key = dequantize_kv(key_cache[block_ids].flatten(0, 1)[:seq_len]).float()
+        seq_value = dequantize_kv(value_cache[block_ids].flatten(0, 1)[:seq_len]).float()
+        seq_key, seq_value = seq_key.transpose(0, 1), seq_value.transpose(0, 1)
         req = requests.get(i)
         per_key = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device)
+        first = seq_len - query_len  # position of the first query row
         for r0 in range(0, query_len, ROW_TILE):  # bounded memory for long prompts
             r1 = min(r0 + ROW_TILE, query_len)
-            q = query[start + r0:start + r1].float()  # [rows, num_heads, head_dim]
-            scores = torch.einsum("qhd,khd->hqk", q, seq_key) * backend.scale
-            first = seq_len - query_len
+            rows = r1 - r0
+            # keys lo .. hi - 1: past the tile's last row every key is masked for every
+            # row; before the first row's window start, every key is out of every window
+            hi = first + r1
+            lo = 0 if window is None else max(0, first + r0 - window + 1)
+            q = (query[start + r0:start + r1].float() * backend.scale).view(
+                rows, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * rows, -1)
+            scores = torch.bmm(q, seq_key[:, lo:hi].transpose(1, 2)).view(
+                num_kv, group, rows, hi - lo)
             mask = causal_mask(torch.arange(first + r0, first + r1, device=device),
-                               torch.arange(seq_len, device=device), window)
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            output[start + r0:start + r1] = torch.einsum(
-                "hqk,khd->qhd", probs, seq_value).to(query.dtype)
+                               torch.arange(lo, hi, device=device), window)
+            probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+            out = torch.bmm(probs.view(num_kv, group * rows, hi - lo), seq_value[:, lo:hi])
+            output[start + r0:start + r1] = out.view(num_kv, group, rows, -1).permute(
+                2, 0, 1, 3).reshape(rows, num_kv * group, -1).to(query.dtype)
             if req is not None and req.first_row < r1:
-                per_key[:seq_len] += probs[:, max(0, req.first_row - r0):].sum(dim=(0, 1))
+                per_key[lo:hi] += probs[:, :, max(0, req.first_row - r0):].sum(dim=(0, 1, 2))
         if req is not None and req.first_row < query_len:
             req.scores[:num_blocks] += per_key.view(num_blocks, block_size).sum(1)
-        start = end
+        start += query_len
     return output
 
 
