@@ -35,12 +35,9 @@ def kernels():
     return k
 
 
-def _case(dtype, heads, window, seed=0, fmt=None):
-    """Random paged caches, one decode query per sequence of LENS, and the oracle's
-    outputs and block scores (every sequence scored but the second)."""
-    num_heads, num_kv_heads, head_dim = heads
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = 2 * sum(-(-n // BS) for n in LENS)
+def _paged(gen, seq_lens, num_blocks, num_kv_heads, head_dim, dtype, fmt):
+    """Random K/V pages (``fmt``: quantized) and a shuffled block table per sequence
+    (block 0 unused)."""
     shape = (num_blocks, BS, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=gen) * 2
     value_cache = torch.randn(shape, generator=gen)
@@ -50,9 +47,19 @@ def _case(dtype, heads, window, seed=0, fmt=None):
         key_cache, value_cache = quantize_kv(key_cache, fmt), quantize_kv(value_cache, fmt)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables, used = [], 0
-    for n in LENS:
+    for n in seq_lens:
         tables.append(perm[used:used + -(-n // BS)])
         used += len(tables[-1])
+    return key_cache, value_cache, tables
+
+
+def _case(dtype, heads, window, seed=0, fmt=None):
+    """Random paged caches, one decode query per sequence of LENS, and the oracle's
+    outputs and block scores (every sequence scored but the second)."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    key_cache, value_cache, tables = _paged(gen, LENS, 2 * sum(-(-n // BS) for n in LENS),
+                                            num_kv_heads, head_dim, dtype, fmt)
     md = CommonAttentionMetadata.from_lists([1] * len(LENS), LENS, tables, BS,
                                             sliding_window=window)
     # peaked softmax rows: the combine's rescaling between spans matters
@@ -247,18 +254,8 @@ def test_prompt_block_scores_equal_scored_attention(kernels, dtype, fmt, window,
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim = 9, 3, 64
     query_lens, seq_lens = [1100, 40, 300], [1100, 600, 300]
-    num_blocks = 2 + sum(-(-n // BS) for n in seq_lens)
-    key_cache = torch.randn(num_blocks, BS, kv_heads, dim, generator=gen) * 2
-    value_cache = torch.randn(key_cache.shape, generator=gen)
-    if fmt is None:
-        key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
-    else:
-        key_cache, value_cache = quantize_kv(key_cache, fmt), quantize_kv(value_cache, fmt)
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(perm[used:used + -(-n // BS)])
-        used += len(tables[-1])
+    key_cache, value_cache, tables = _paged(gen, seq_lens, 2 + sum(-(-n // BS) for n in seq_lens),
+                                            kv_heads, dim, dtype, fmt)
     query = (torch.randn(sum(query_lens), heads, dim, generator=gen) * 2).to(dtype)
     backend = CpuAttentionBackend(heads, dim, kv_heads, dim ** -0.5, sliding_window=window)
 
