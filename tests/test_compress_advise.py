@@ -98,3 +98,27 @@ def test_advise_bad_input_is_a_clear_error(gguf_path, capsys, extra, message):
     else:
         assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_calibration_windows_fit_the_builtin_text(gguf_path):
+    """Asking for more calibration windows than the built-in text holds under the
+    model's tokenizer gives as many as it holds (logged); the quantizer then finds them
+    all, and one more is the quantizer's own clear error."""
+    from llmserve.compress.advise import Settings, fit_calibration
+    from llmserve.compress.quantize import calibration_ids
+    from llmserve.loader import resolve_model
+    from llmserve.tokenizer import load_tokenizer
+
+    source = resolve_model(gguf_path)
+    lines: list[str] = []
+    full = Settings.of(False)
+    assert fit_calibration(full, source, lines.append) == full and not lines  # 16 x 256 fit
+    fitted = fit_calibration(Settings("full", 10_000, 256, 512, 3, 64, 16), source,
+                             lines.append)
+    assert 16 <= fitted.calib_samples < 10_000 and len(lines) == 1
+    assert f"{fitted.calib_samples} calibration windows of 256" in lines[0]
+    tokenizer = load_tokenizer(source)
+    assert calibration_ids(tokenizer, None, fitted.calib_samples, 256).shape == (
+        fitted.calib_samples, 256)
+    with pytest.raises(ValueError, match="too few for"):
+        calibration_ids(tokenizer, None, fitted.calib_samples + 1, 256)

@@ -138,6 +138,25 @@ class Settings:
         return cls("full", 16, 256, 512, 3, 64, 16)
 
 
+def fit_calibration(settings: Settings, source: Any, log=print) -> Settings:
+    """``settings`` with at most as many calibration windows as the built-in calibration
+    text holds under ``source``'s tokenizer (a tokenizer that packs the text into fewer
+    tokens, e.g. Qwen's on the Chinese part, fits fewer ``calib_len`` windows); logged."""
+    from dataclasses import replace
+
+    from llmserve.compress.texts import builtin_text, token_windows
+    from llmserve.tokenizer import encode_text, load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    ids = encode_text(tokenizer, builtin_text("calib"), "text", add_special_tokens=False)
+    fit = len(token_windows(ids, settings.calib_len, bos_token_id=tokenizer.bos_token_id))
+    if fit >= settings.calib_samples:
+        return settings
+    log(f"advise: the built-in calibration text is {len(ids)} tokens for this tokenizer: "
+        f"{fit} calibration windows of {settings.calib_len} (not {settings.calib_samples})")
+    return replace(settings, calib_samples=fit)
+
+
 def file_sha256(model_path: str) -> str:
     """sha256 of a GGUF file, or of a directory's ``config.json`` and weight files."""
     digest = hashlib.sha256()
@@ -334,9 +353,9 @@ def advise(model: str, levels: list[str] | None = None, sla: SLA | None = None,
     parsed = [parse_level(n) for n in (levels or DEFAULT_LEVELS)]
     if not parsed:
         raise ValueError("--levels: give at least one level")
-    settings = Settings.of(quick)
     source = resolve_model(model)
     config = load_model_config(source)
+    settings = fit_calibration(Settings.of(quick), source, log)
     model_sha, machine = file_sha256(source.path), machine_fingerprint()
     rows: list[dict[str, Any]] = []
     made: dict[str, str] = {}
