@@ -6,7 +6,10 @@ Measured (the 96 tokens of TEXT, benchmarks/q8k_quality.py): q8k vs llama.cpp ma
 diff| 1.00, mean 0.097, perplexity 12.174 vs 12.200 (-0.21%). Both are far from the float32
 dequantized model at position 0 only (max |diff| 13.0 / 12.1: a lone token's hidden state
 carries Qwen2's massive activations, coarse in Q8_K), and close from position 1 on (q8k:
-max 0.72, perplexity -0.46%; llama.cpp: 0.67, +0.39%).
+max 0.72, perplexity -0.46%; llama.cpp: 0.67, +0.39%). Those numbers are from an Intel
+Xeon; on an AMD EPYC (another build of the C kernels: -march=native) q8k vs llama.cpp read
+perplexity 12.327 vs 12.200 (+1.04%), and +0.42% from position 1 on (10.828 vs 10.783),
+max |logit diff| 1.00 at position 0 and 0.87 after.
 """
 
 from __future__ import annotations
@@ -47,7 +50,11 @@ def test_qwen15_q8k_logits_close_to_llama_cpp(qwen15_gguf, monkeypatch):
     ref = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
     diff = (ours - ref).abs()
     assert diff.max() < 2.0 and diff.mean() < 0.15, (diff.max().item(), diff.mean().item())
+    # position 0's prediction (massive activations, coarse in Q8_K) moves with the build:
+    # 1% from position 1 on, 2% with it
     ppl_ours, ppl_ref = perplexity(ours, ids), perplexity(ref, ids)
+    assert abs(ppl_ours / ppl_ref - 1) < 0.02, (ppl_ours, ppl_ref)
+    ppl_ours, ppl_ref = perplexity(ours[1:], ids[1:]), perplexity(ref[1:], ids[1:])
     assert abs(ppl_ours / ppl_ref - 1) < 0.01, (ppl_ours, ppl_ref)
     top1 = (ours.argmax(-1) == ref.argmax(-1)).double().mean().item()
     assert top1 > 0.9, top1
