@@ -97,7 +97,7 @@ def test_activation_quantization_is_q8_k(q8k, dtype):
 def test_matches_float64_of_quantized_activations(q8k, qtype, dtype):
     n, k = 40, 1024
     blocks = random_gguf_blocks(qtype, n, k, seed=1)
-    for m in (1, 3, 4, 7, 16):
+    for m in (1, 3, 4, 5, 6, 7, 16):  # tiles of 1..6 rows, 4 + 3, 4 x 4
         x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
         x[0, 5] = 30.0  # an outlier: coarse codes in its block, exact sums all the same
         ref, mag = reference(q8k, qtype, x, blocks, k)
@@ -114,7 +114,7 @@ def test_rows_do_not_depend_on_the_batch(q8k, qtype):
     w = torch.from_numpy(random_gguf_blocks(qtype, n, k, seed=2))
     x = torch.randn(16, k).bfloat16()
     alone = torch.cat([q8k.gguf_matmul_q8k(qtype, x[i:i + 1], w, 1) for i in range(16)])
-    for m in (2, 5, 8, 16):
+    for m in (2, 5, 6, 7, 8, 16):
         got = q8k.gguf_matmul_q8k(qtype, x[:m], w, 2)
         assert torch.equal(got, alone[:m])
     flipped = q8k.gguf_matmul_q8k(qtype, x.flip(0)[:8], w, 2)

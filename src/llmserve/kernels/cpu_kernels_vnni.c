@@ -147,13 +147,20 @@ static inline __attribute__((always_inline)) void q8k_load_block(
     }
 }
 
+/* x rows per pass over a weight row: up to 6 (a speculative verification's k + 1 rows
+ * for k <= 5) share one unpacking of each block; more spill registers (measured on
+ * gate_up 17920 x 1536, one thread: 5 rows 1.44 -> 1.23 ms, 6 rows 1.60 -> 1.48 ms as one
+ * tile instead of 4 + rest; 8 rows as one tile 2.17 ms against 1.86 as 4 + 4). Each row's
+ * sums run in the same order whatever the tile. */
+#define Q8K_TILE 6
+
 /* y[m] for rows m0 .. m0 + MM - 1 of x against one weight row of nb blocks. */
 static inline __attribute__((always_inline)) void q8k_row_tile(
         const int qtype, const int MM, const uint8_t *restrict row, int64_t nb,
         const q8k_idx *idx, q8k_act a, int64_t K, int64_t m0, float *y) {
     const int bb = gguf_block_bytes(qtype);
-    __m512 acc[4];
-    __m256 aux[4];  /* Q4_K: sum of m_j bsum32 terms (4 lanes); Q6_K: sc_g bsum16 (8 lanes) */
+    __m512 acc[Q8K_TILE];
+    __m256 aux[Q8K_TILE];  /* Q4_K: sum of m_j bsum32 terms (4 lanes); Q6_K: sc_g bsum16 (8 lanes) */
     for (int m = 0; m < MM; m++) {
         acc[m] = _mm512_setzero_ps();
         aux[m] = _mm256_setzero_ps();
@@ -196,13 +203,17 @@ static inline __attribute__((always_inline)) void q8k_row_tile(
 static inline __attribute__((always_inline)) void q8k_row(
         const int qtype, const uint8_t *restrict row, int64_t nb, const q8k_idx *idx, q8k_act a,
         int64_t M, int64_t K, float *y) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (M - m0) {
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0, mm = left <= Q8K_TILE ? left : 4;
+        switch (mm) {
         case 1: q8k_row_tile(qtype, 1, row, nb, idx, a, K, m0, y + m0); break;
         case 2: q8k_row_tile(qtype, 2, row, nb, idx, a, K, m0, y + m0); break;
         case 3: q8k_row_tile(qtype, 3, row, nb, idx, a, K, m0, y + m0); break;
-        default: q8k_row_tile(qtype, 4, row, nb, idx, a, K, m0, y + m0); break;
+        case 4: q8k_row_tile(qtype, 4, row, nb, idx, a, K, m0, y + m0); break;
+        case 5: q8k_row_tile(qtype, 5, row, nb, idx, a, K, m0, y + m0); break;
+        default: q8k_row_tile(qtype, 6, row, nb, idx, a, K, m0, y + m0); break;
         }
+        m0 += mm;
     }
 }
 #else
