@@ -15,9 +15,9 @@ input group (group size ``G`` a multiple of 32, or one group per row). Split at 
 The first term is the GGUF Q8_0 kernel (``kernels/cpu_gguf.q8_0_matmul``) with each
 group's scale repeated per 32-weight block; the second vanishes for symmetric
 checkpoints (``z = 128`` everywhere, AutoGPTQ's ``sym=True``) and is otherwise one small
-``[M, G] x [G, N]`` matmul. 1.06 bytes a weight read per decode instead of the 2 of a
-dense bfloat16 copy. Act-order (``g_idx``): columns sorted into contiguous groups and
-``x`` permuted the same way, as for the int4 kernel. Float32 products and sums: the
+``[M, G] x [G, N]`` matmul. 1.125 bytes a weight read per decode (a float32 scale
+per 32) instead of the 2 of a dense bfloat16 copy. Act-order (``g_idx``): columns
+sorted into contiguous groups and ``x`` permuted the same way, as for the int4 kernel. Float32 products and sums: the
 result equals ``x @ dequantize().T`` up to float32 summation order.
 """
 
