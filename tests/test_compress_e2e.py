@@ -210,7 +210,8 @@ def test_quantized_checkpoint_loads_with_reference_greedy(tiny, tmp_path, method
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_quantized_linears_keep_their_biases(tiny, tmp_path, fmt):
     """q/k/v/o biases (Llama ``attention_bias``; Qwen2's q/k/v) are written beside the
-    packed weights and loaded: greedy tokens equal transformers with those biases."""
+    packed weights (float32) and loaded, dense matrices in bf16: greedy tokens equal
+    transformers with those tensors."""
     if fmt == "compressed-tensors":
         pytest.importorskip("compressed_tensors")
     _, _, calib, _ = tiny
@@ -222,8 +223,12 @@ def test_quantized_linears_keep_their_biases(tiny, tmp_path, fmt):
                               fmt=fmt, calib=calib, num_samples=8, seq_len=64, progress=False)
     stored = load_file(os.path.join(out, "model.safetensors"))
     for name, p in model.named_parameters():
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or "norm" in name:  # 1-D tensors stay float32
             assert torch.equal(stored[name], p.detach().float()), name
+    # dense matrices (embeddings; lm_head when untied) are bf16, as the engine serves them
+    embed = stored["model.embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16
+    assert torch.equal(embed, model.model.embed_tokens.weight.detach().bfloat16())
     ref = _reference(out, fmt, attention_bias=True)
     assert _llm_greedy(out) == hf_greedy(ref, PROMPTS, NEW_TOKENS)
 

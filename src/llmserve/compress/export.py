@@ -18,7 +18,9 @@
 
 The layouts are those the readers in ``llmserve/layers/quantization/`` document (the
 AutoGPTQ, AutoAWQ and compressed-tensors packers); ``lm_head`` and embeddings stay
-dense. ``config.json`` gets the format's ``quantization_config``; tokenizer files are
+dense, in bfloat16 (the dtype the engine serves them in; float32 would double a
+4-bit checkpoint's size on a large-vocabulary model), 1-D tensors (norms, biases) in
+float32. ``config.json`` gets the format's ``quantization_config``; tokenizer files are
 copied, so ``llmserve generate --model DIR`` (and vLLM, for compressed-tensors) loads it.
 """
 
@@ -159,15 +161,16 @@ def save_quantized(qm: QuantizedModel, output: str, fmt: str, tokenizer: Any) ->
     for name, t in model.state_dict().items():
         module, suffix = name.rsplit(".", 1)
         if (module in qm.weights and suffix == "weight") or (tied and name == "lm_head.weight"):
-            continue  # a quantized linear's bias (Qwen2's q/k/v) stays, in float32
-        tensors[name] = t.detach().float().contiguous()
+            continue  # a quantized linear's bias (Qwen2's q/k/v) stays
+        dtype = torch.bfloat16 if t.dim() >= 2 else torch.float32
+        tensors[name] = t.detach().to(dtype).contiguous()
     for module, weight in qm.weights.items():
         for suffix, t in module_tensors(weight, fmt).items():
             tensors[f"{module}.{suffix}"] = t
     save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "float32"
+    config["torch_dtype"] = "bfloat16"
     config.pop("dtype", None)
     config["quantization_config"] = quantization_config(qm, fmt)
     with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
