@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-SCHEMA = 1  # bump when what a cached entry measures changes
+SCHEMA = 2  # bump when what a cached entry measures changes (2: bf16 dense tensors on disk)
 DEFAULT_LEVELS = ("source", "rtn-w4-g32", "rtn-w4-g64", "rtn-w4-g128", "gptq-w4-g32",
                   "gptq-w4-g64", "gptq-w4-g128", "awq-w4-g32", "awq-w4-g64", "awq-w4-g128",
                   "rtn-w8", "smoothquant-w8a8")
