@@ -14,6 +14,7 @@ import os
 import pytest
 
 from llmserve.entrypoints.cli import main
+from llmserve.compress.advise import SCHEMA
 
 pytestmark = pytest.mark.model
 LEVELS = "source,rtn-w4-g64,rtn-w4-g128"  # g128 does not divide 576: a skipped row
@@ -63,7 +64,7 @@ def test_advise_quick_picks_by_sla_and_caches(gguf_path, cache, capsys, tmp_path
     assert [r["perplexity"] for r in second["rows"] if "perplexity" in r] == \
         [src["perplexity"], rtn["perplexity"]]
     files = [f for _, _, fs in os.walk(cache) for f in fs]
-    assert sorted(files) == ["rtn-w4-g64.quick.v1.json", "source.quick.v1.json"]
+    assert sorted(files) == [f"rtn-w4-g64.quick.v{SCHEMA}.json", f"source.quick.v{SCHEMA}.json"]
 
     # impossible: nothing meets it, exit code 1, the table still printed
     rc = main(["quantize", "advise", gguf_path, "--quick", "--levels", LEVELS,
