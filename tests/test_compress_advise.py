@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from llmserve.entrypoints.cli import main
 from llmserve.compress.advise import SCHEMA
+from llmserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.model
 LEVELS = "source,rtn-w4-g64,rtn-w4-g128"  # g128 does not divide 576: a skipped row
