@@ -12,6 +12,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # quantized KV cache formats (cpu_kernels_kvq.c): name -> (code, cache storage dtype)
 KV_QUANT_FORMATS = {"int8": (0, torch.int8), "fp8_e4m3": (1, torch.uint8)}
 # GGUF types of gguf_matmul: name -> (ggml type id, weights per block, bytes per block)
+# bytes of one x16 tile (16 rows x 256 weights) of gguf_repack_x16 / gguf_matmul_x16
+X16_TILE_BYTES = {"Q4_K": 2368, "Q6_K": 3360}
 GGUF_MATMUL_TYPES = {"Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                      "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -35,6 +37,10 @@ _SIGNATURES = {
     # dtype, x, x_stride, M, K, codes, scales
     "q8k_quantize": [_INT, _P, _I64, _I64, _I64, _P, _P],
     "gguf_q8k_available": [],
+    # qtype, blocks, N, K, tiles (cpu_kernels_x16.c)
+    "gguf_repack_x16": [_INT, _P, _I64, _I64, _P],
+    # qtype, dtype, out, out_stride, x, x_stride, tiles, M, N, K, num_threads
+    "gguf_matmul_x16": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
     # dtype, out, query, q_stride, key_cache, value_cache, num_blocks, block_table,
     # bt_width, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
     # block_size, scale, window, num_threads, score_ptrs, score_lens

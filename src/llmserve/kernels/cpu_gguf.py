@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels.cpu_abi import GGUF_MATMUL_TYPES, _code, check_status
+from llmserve.kernels.cpu_abi import GGUF_MATMUL_TYPES, X16_TILE_BYTES, _code, check_status
 
 
 def _gguf_call_args(what: str, layout: tuple[int, int, int] | None, qtype: str,
@@ -134,6 +134,65 @@ class GgufMatmulKernels:
         if status == -5:
             raise ValueError("gguf_matmul_q8k: this CPU or build has no AVX512-VNNI")
         check_status(status, "gguf_matmul_q8k")
+        return out
+
+    def gguf_repack_x16(self, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+        """A GGUF Q4_K / Q6_K weight's blocks ``[N, K / 256 * block_bytes]`` (uint8, the
+        file's bytes) -> its x16 tiles ``[ceil(N / 16), K / 256 * tile_bytes]`` uint8 for
+        :meth:`gguf_matmul_x16` (layout: cpu_kernels_x16.c; 148 bytes a row-block for Q4_K,
+        210 for Q6_K; rows past N are zero).
+
+        Raises:
+            ValueError: another type, a shape that is not whole blocks, a non-CPU tensor.
+        """
+        layout = GGUF_MATMUL_TYPES.get(qtype)
+        n = blocks.shape[0]
+        if qtype not in X16_TILE_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
+                blocks.shape[1] % layout[2] or not blocks.is_contiguous() or not blocks.is_cpu:
+            raise ValueError(f"gguf_repack_x16: {qtype} blocks {tuple(blocks.shape)} {blocks.dtype}")
+        k = blocks.shape[1] // layout[2] * 256
+        tiles = torch.empty(((n + 15) // 16, k // 256 * X16_TILE_BYTES[qtype]), dtype=torch.uint8)
+        check_status(self._gguf_repack_x16(layout[0], blocks.data_ptr(), n, k, tiles.data_ptr()),
+                     "gguf_repack_x16")
+        return tiles
+
+    def gguf_matmul_x16(self, qtype: str, x: torch.Tensor, tiles: torch.Tensor, n: int,
+                        num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`gguf_matmul_q8k`'s product (Q8_K activations, exact integer block sums,
+        float32 scales) on the x16 tiles of :meth:`gguf_repack_x16`: one VNNI dot product
+        serves 16 weight rows, no per-row reduction (cpu_kernels_x16.c).
+
+        Args:
+            qtype: ``"Q4_K"`` or ``"Q6_K"``.
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
+            tiles: uint8 ``[ceil(n / 16), K / 256 * tile_bytes]`` from :meth:`gguf_repack_x16`.
+            n: the weight's rows N.
+            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
+
+        Returns:
+            ``[M, N]`` in ``x``'s dtype; a row's result never depends on the other rows.
+
+        Raises:
+            ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI.
+        """
+        num_rows, k = x.shape
+        if qtype not in X16_TILE_BYTES or tiles.dtype != torch.uint8 or x.stride(1) != 1 or \
+                k % 256 or tiles.shape != ((n + 15) // 16, k // 256 * X16_TILE_BYTES[qtype]) or \
+                not tiles.is_contiguous() or not 1 <= num_rows <= 16 or not tiles.is_cpu:
+            raise ValueError(f"gguf_matmul_x16: {qtype} x {tuple(x.shape)}, tiles "
+                             f"{tuple(tiles.shape)} {tiles.dtype} for {n} rows")
+        code = _code(x) if out is None else _code(x, out)
+        if out is None:
+            out = x.new_empty((num_rows, n))
+        elif out.shape != (num_rows, n) or out.stride(1) != 1:
+            raise ValueError(f"gguf_matmul_x16: out {tuple(out.shape)} strides {out.stride()}, "
+                             f"expected [{num_rows}, {n}] with contiguous rows")
+        status = self._gguf_matmul_x16(GGUF_MATMUL_TYPES[qtype][0], code, out.data_ptr(),
+                                       out.stride(0), x.data_ptr(), x.stride(0),
+                                       tiles.data_ptr(), num_rows, n, k, num_threads)
+        if status == -5:
+            raise ValueError("gguf_matmul_x16: this CPU or build has no AVX512-VNNI")
+        check_status(status, "gguf_matmul_x16")
         return out
 
     def q8k_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

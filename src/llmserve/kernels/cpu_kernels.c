@@ -816,3 +816,6 @@ int gguf_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void 
 
 /* GGUF Q4_K / Q6_K x Q8_K int8-activation matmul (VNNI) for decode rows */
 #include "cpu_kernels_vnni.c"
+
+/* the same arithmetic on Q4_K / Q6_K repacked 16 rows to a tile (decode rows) */
+#include "cpu_kernels_x16.c"

@@ -67,9 +67,12 @@ class GGUFBlockWeight:
 
     def __init__(self, qtype: str, blocks: torch.Tensor, in_features: int,
                  dtype: torch.dtype, int8_activations: bool = False) -> None:
-        self.qtype, self.blocks, self.activation_dtype = qtype, blocks, dtype
+        self.qtype, self.activation_dtype = qtype, dtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.int8_activations = int8_activations
+        # int8 activations: the blocks repacked 16 rows to a tile (gguf_matmul_x16)
+        self.blocks = get_cpu_kernels().gguf_repack_x16(qtype, blocks) if int8_activations \
+            else blocks
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -77,7 +80,13 @@ class GGUFBlockWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` (into ``out`` when given); M above 16 in chunks."""
         kernels = get_cpu_kernels()
-        kernel = kernels.gguf_matmul_q8k if self.int8_activations else kernels.gguf_matmul
+        if self.int8_activations:
+            n = self.out_features
+
+            def kernel(qtype, x, tiles, threads, out):
+                return kernels.gguf_matmul_x16(qtype, x, tiles, n, threads, out)
+        else:
+            kernel = kernels.gguf_matmul
         threads = torch.get_num_threads()
         if x.shape[0] <= MAX_ROWS:
             return kernel(self.qtype, x, self.blocks, threads, out)
