@@ -1,4 +1,4 @@
-"""Decode-row matmuls of Qwen2.5-Coder-1.5B Q4_K_M: int8-activation kernel vs the old paths.
+"""Decode-row matmuls of Qwen2.5-Coder-1.5B Q4_K_M: the int8-activation kernel vs the others.
 
 Per shape (random blocks of the real sizes; speed does not depend on the values), M rows
 of bf16 x, 1 and 2 threads: ms per call as CPU time (``time.process_time``, all threads
@@ -10,7 +10,10 @@ of the process: what a shared machine cannot inflate much) and wall time, median
     o         1536 x 1536 Q4_K   old: int4 kernel
     lm_head 151936 x 1536 Q6_K   old: the gguf-hybrid dense bf16 copy (F.linear), and
                                  gguf_matmul
-    new: gguf_matmul_q8k (Q8_K activations, VNNI) for every shape
+    new: gguf_matmul_x16 (Q8_K activations, VNNI, x16 tiles) for every shape
+
+The kernel table cycles through enough distinct copies of each weight (~200 MB) that
+every call reads its weight from memory, as a decode step does, not from the cache.
 
 ``--model`` also times whole batch-1 decode (gguf-hybrid, ``--threads``: 32-token prompt,
 ``--new`` tokens; 3 runs each) with ``LLMSERVE_Q8K_DOT=1`` and ``=0``, interleaved, each in
@@ -65,7 +68,8 @@ def timed(fn, reps: int) -> dict:
 
 
 def kernel_table(rows_list: list[int], reps: int, shapes: list[str] | None = None,
-                 thread_counts: tuple[int, ...] = (1, 2)) -> list[dict]:
+                 thread_counts: tuple[int, ...] = (1, 2), cycle_bytes: float = 200e6
+                 ) -> list[dict]:
     from llmserve.kernels import get_cpu_kernels
     from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
     from llmserve.layers.quantization.gguf_native import GGUFNativeConfig
@@ -79,31 +83,35 @@ def kernel_table(rows_list: list[int], reps: int, shapes: list[str] | None = Non
     for name, qtype, n, k in SHAPES:
         if shapes and name not in shapes:
             continue
-        raw = blocks(qtype, n, k, rng)
-        w = torch.from_numpy(raw)
-        old = {}
+        copies = max(2, int(cycle_bytes // (n * k // 256 * BYTES[qtype])))
+        raws = [blocks(qtype, n, k, rng) for _ in range(copies)]
+        ws = [torch.from_numpy(r) for r in raws]
+        old = {}  # label -> fn(x, i): the matmul by copy i
         if qtype == "Q4_K":
-            packed = pack_gguf_shards([GGUFQuantizedTensor(qtype, (n, k), raw, config).unpack()],
-                                      torch.bfloat16)
-            old["int4"] = packed.matmul
+            packs = [pack_gguf_shards([GGUFQuantizedTensor(qtype, (n, k), r, config).unpack()],
+                                      torch.bfloat16) for r in raws]
+            old["int4"] = lambda x, i, p=packs: p[i].matmul(x)
         else:
-            old["gguf_matmul"] = lambda x, w=w, q=qtype: kernels.gguf_matmul(
-                q, x, w, torch.get_num_threads())
+            old["gguf_matmul"] = lambda x, i, w=ws, q=qtype: kernels.gguf_matmul(
+                q, x, w[i], torch.get_num_threads())
         if name == "lm_head":
-            dense = GGUFQuantizedTensor(qtype, (n, k), raw, config).dequantize().bfloat16()
-            old["dense_bf16"] = lambda x, d=dense: F.linear(torch.cat([x, x]) if x.shape[0] == 1
-                                                            else x, d)
-        old["new_q8k"] = lambda x, w=w, q=qtype: kernels.gguf_matmul_q8k(
-            q, x, w, torch.get_num_threads())
+            dense = [GGUFQuantizedTensor(qtype, (n, k), r, config).dequantize().bfloat16()
+                     for r in raws]
+            old["dense_bf16"] = lambda x, i, d=dense: F.linear(
+                torch.cat([x, x]) if x.shape[0] == 1 else x, d[i])
+        tiles = [kernels.gguf_repack_x16(qtype, w) for w in ws]
+        old["new_q8k"] = lambda x, i, t=tiles, q=qtype, n=n: kernels.gguf_matmul_x16(
+            q, x, t[i], n, torch.get_num_threads())
         for rows in rows_list:
             x = torch.randn(rows, k).bfloat16()
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 row = {"shape": name, "qtype": qtype, "N": n, "K": k, "M": rows,
-                       "threads": threads}
+                       "threads": threads, "copies": copies}
                 for label, fn in old.items():
                     key = label if label == "new_q8k" else f"old_{label}"
-                    row[key] = timed(lambda fn=fn, x=x: fn(x), reps)
+                    t = timed(lambda fn=fn, x=x, c=copies: [fn(x, i) for i in range(c)], reps)
+                    row[key] = {unit: v / copies for unit, v in t.items()}
                 out.append(row)
                 print(json.dumps(row), flush=True)
         del old

@@ -4,7 +4,8 @@ Logits of the same token ids from four paths, each in its own process (memory):
 
     fp32      the GGUF dequantized to float32 (the reference)
     bf16      gguf-native, bfloat16 activations (LLMSERVE_Q8K_DOT=0)
-    q8k       gguf-native with gguf_matmul_q8k (LLMSERVE_Q8K_DOT=1): Q8_K activations
+    q8k       gguf-native with gguf_matmul_x16 (the default on AVX512-VNNI): Q8_K
+              activations, a second pass for rows with massive activations
     llamacpp  llama.cpp (llama-cpp-python) on the same file: its CPU matmuls quantize
               activations to Q8_K too, so it is the oracle of what int8 activations cost
 
@@ -12,9 +13,10 @@ Reported for each path against fp32 and against llama.cpp: perplexity, max / mea
 diff|, KL divergence, top-1 agreement, all positions and without position 0. The first
 position's logits come from a lone token whose hidden state carries Qwen2's massive
 activations (the attention sink; max/mean |x| of a 256-value block up to ~240 in the
-down_proj / qkv inputs): Q8_K of those rows is coarse, in llama.cpp alike, so on a short
-text that one prediction dominates the perplexity change (llama.cpp's perplexity tool
-scores only the second half of each window, never the first tokens).
+down_proj / qkv inputs): Q8_K alone rounds those rows coarsely (llama.cpp: max |logit
+diff| 12 there), so on a short text that one prediction dominates its perplexity change
+(llama.cpp's perplexity tool scores only the second half of each window, never the first
+tokens); gguf_matmul_x16's second pass keeps them close.
 
     .venv/bin/python benchmarks/q8k_quality.py                       # TEXT of the tests, ~1 min
     .venv/bin/python benchmarks/q8k_quality.py --text README.md --tokens 300

@@ -1,10 +1,12 @@
-"""The Q4_K / Q6_K x int8-activation kernel ``gguf_matmul_q8k`` (cpu_kernels_vnni.c).
+"""The Q4_K / Q6_K x int8-activation kernel ``gguf_matmul_x16`` on the tiles of
+``gguf_repack_x16`` (cpu_kernels_x16.c, Q8_K activations of cpu_kernels_vnni.c).
 
 Oracle: the weights decoded here from the raw block bytes in numpy (checked against
 ``gguf.quants.dequantize``, llama.cpp's formulas), times the kernel's own quantized
-activations (codes * scale), summed in float64. The kernel's integer block sums are
-exact, so it must agree up to float32 rounding of the per-block scale products and
-sums. The activation quantization itself is checked against numpy's float32 ops.
+activations (codes * scale, plus the second pass of an outlier row: the codes of its
+rounding residual), summed in float64. The kernel's integer block sums are exact, so it
+must agree up to float32 rounding of the per-block scale products and sums. The
+activation quantization itself is checked against numpy's float32 ops.
 """
 
 from __future__ import annotations
@@ -62,11 +64,35 @@ def decode_blocks(qtype: str, blocks: np.ndarray, k: int) -> np.ndarray:
     return w.reshape(n, k)
 
 
-def reference(q8k, qtype, x, blocks, k):
+OUTLIER_RATIO = 32  # a row whose block max |x| exceeds this times its mean |x|: 2 passes
+
+
+def dequantized_activations(q8k, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``[M, K]``: what the kernel multiplies, Q8_K codes * scales, plus for an
+    outlier row the Q8_K of its float32 rounding residual."""
+    m, k = x.shape
     codes, scales = q8k.q8k_quantize(x)
-    xq = codes.double().view(x.shape[0], -1, 256) * scales.double()[..., None]
+    first = (codes.float().view(m, -1, 256) * scales[..., None]).view(m, k)
+    xq = first.double()
+    blocks = x.float().abs().view(m, -1, 256)
+    second = (blocks.amax(-1) > OUTLIER_RATIO * (blocks.sum(-1) / 256)).any(-1)
+    for i in torch.nonzero(second).flatten().tolist():
+        c2, s2 = q8k.q8k_quantize((x[i:i + 1].float() - first[i:i + 1]).contiguous())
+        xq[i] += (c2.double().view(-1, 256) * s2.double()[0, :, None]).view(k)
+    return xq
+
+
+def x16(q8k, qtype, x, blocks, threads=2, out=None):
+    """``gguf_matmul_x16`` on the tiles of ``blocks`` (numpy or torch, the file's bytes)."""
+    w = torch.as_tensor(blocks)
+    return q8k.gguf_matmul_x16(qtype, x, q8k.gguf_repack_x16(qtype, w), w.shape[0], threads,
+                               out)
+
+
+def reference(q8k, qtype, x, blocks, k):
+    xq = dequantized_activations(q8k, x)
     w = torch.from_numpy(decode_blocks(qtype, blocks, k))
-    return xq.view(x.shape[0], k) @ w.t(), xq.abs().view(x.shape[0], k) @ w.abs().t()
+    return xq @ w.t(), xq.abs() @ w.abs().t()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -95,13 +121,14 @@ def test_activation_quantization_is_q8_k(q8k, dtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_of_quantized_activations(q8k, qtype, dtype):
-    n, k = 40, 1024
+    n, k = 40, 1024  # 40 rows: two whole tiles of 16 and one padded
     blocks = random_gguf_blocks(qtype, n, k, seed=1)
-    for m in (1, 3, 4, 5, 6, 7, 16):  # tiles of 1..6 rows, 4 + 3, 4 x 4
+    for m in (1, 3, 4, 5, 6, 7, 16):  # row tiles of 1..3 and 4: 4 + 1, 4 + 3, 4 x 4
         x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
         x[0, 5] = 30.0  # an outlier: coarse codes in its block, exact sums all the same
+        x[-1, 300] = 1e4  # a massive activation: this row takes the second pass
         ref, mag = reference(q8k, qtype, x, blocks, k)
-        got = q8k.gguf_matmul_q8k(qtype, x, torch.from_numpy(blocks), 2).double()
+        got = x16(q8k, qtype, x, blocks).double()
         tol = mag * 2e-6 + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
         assert ((got - ref).abs() <= tol + 1e-30).all(), (got - ref).abs().max()
 
@@ -111,30 +138,63 @@ def test_rows_do_not_depend_on_the_batch(q8k, qtype):
     """Batch invariance (issue 20): a row's bits are the same alone, in any M, any
     position, and with 1 or 2 threads."""
     n, k = 96, 768
-    w = torch.from_numpy(random_gguf_blocks(qtype, n, k, seed=2))
-    x = torch.randn(16, k).bfloat16()
-    alone = torch.cat([q8k.gguf_matmul_q8k(qtype, x[i:i + 1], w, 1) for i in range(16)])
+    w = random_gguf_blocks(qtype, n, k, seed=2)
+    x = torch.randn(16, k)
+    x[3, 10] = x[8, 700] = 500.0  # rows with a second pass among rows without
+    x = x.bfloat16()
+    alone = torch.cat([x16(q8k, qtype, x[i:i + 1], w, 1) for i in range(16)])
     for m in (2, 5, 6, 7, 8, 16):
-        got = q8k.gguf_matmul_q8k(qtype, x[:m], w, 2)
+        got = x16(q8k, qtype, x[:m], w, 2)
         assert torch.equal(got, alone[:m])
-    flipped = q8k.gguf_matmul_q8k(qtype, x.flip(0)[:8], w, 2)
+    flipped = x16(q8k, qtype, x.flip(0)[:8], w, 2)
     assert torch.equal(flipped, alone.flip(0)[:8])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_second_pass_keeps_massive_activation_rows_precise(q8k, qtype):
+    """A lone massive activation (Qwen2's first token: up to 240x a block's mean) leaves
+    Q8_K one code for most of its block; the second pass brings the row back to about
+    the float32 product of the unquantized x, as close as rows without outliers."""
+    n, k = 64, 1024
+    blocks = random_gguf_blocks(qtype, n, k, seed=4)
+    w = torch.from_numpy(decode_blocks(qtype, blocks, k))
+    x = torch.randn(2, k)
+    x[1, 17] = 240 * x[1, :256].abs().mean()
+    exact = x.double() @ w.t()
+    err = (x16(q8k, qtype, x, blocks).double() - exact).abs().amax(-1) / exact.abs().amax(-1)
+    codes, scales = q8k.q8k_quantize(x)  # Q8_K alone, as llama.cpp: far off on row 1
+    one_pass = (codes.double().view(2, -1, 256) * scales.double()[..., None]).view(2, k) @ w.t()
+    err_one = (one_pass - exact).abs().amax(-1) / exact.abs().amax(-1)
+    assert err[1] < 2 * err[0] + 1e-6 and err_one[1] > 20 * err[1], (err, err_one)
+
+
+def test_repack_pads_rows_and_rejects_bad_input(q8k):
+    w = torch.from_numpy(random_gguf_blocks("Q4_K", 17, 512))
+    tiles = q8k.gguf_repack_x16("Q4_K", w)
+    assert tiles.shape == (2, 2 * 2368) and not tiles[1].view(2, 2368)[:, 2:32].any()
+    with pytest.raises(ValueError, match="gguf_repack_x16"):
+        q8k.gguf_repack_x16("Q5_K", w)
+    with pytest.raises(ValueError, match="gguf_repack_x16"):
+        q8k.gguf_repack_x16("Q4_K", w[:, :100])
+    with pytest.raises(ValueError, match="gguf_matmul_x16"):
+        q8k.gguf_matmul_x16("Q4_K", torch.randn(1, 512), tiles, 40)
 
 
 def test_out_argument_and_bad_input(q8k):
     k, n = 512, 24
     w = torch.from_numpy(random_gguf_blocks("Q6_K", n, k))
+    tiles = q8k.gguf_repack_x16("Q6_K", w)
     x = torch.randn(3, k)
     out = torch.zeros(3, n + 8)
-    q8k.gguf_matmul_q8k("Q6_K", x, w, 2, out=out[:, 4:4 + n])
-    assert torch.equal(out[:, 4:4 + n], q8k.gguf_matmul_q8k("Q6_K", x, w, 1))
+    q8k.gguf_matmul_x16("Q6_K", x, tiles, n, 2, out=out[:, 4:4 + n])
+    assert torch.equal(out[:, 4:4 + n], q8k.gguf_matmul_x16("Q6_K", x, tiles, n, 1))
     assert not out[:, :4].any() and not out[:, 4 + n:].any()
-    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
-        q8k.gguf_matmul_q8k("Q5_K", x, w)
-    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
-        q8k.gguf_matmul_q8k("Q6_K", torch.randn(17, k), w)
-    with pytest.raises(ValueError, match="gguf_matmul_q8k"):
-        q8k.gguf_matmul_q8k("Q6_K", torch.randn(2, 256), w)
+    with pytest.raises(ValueError, match="gguf_matmul_x16"):
+        q8k.gguf_matmul_x16("Q5_K", x, tiles, n)
+    with pytest.raises(ValueError, match="gguf_matmul_x16"):
+        q8k.gguf_matmul_x16("Q6_K", torch.randn(17, k), tiles, n)
+    with pytest.raises(ValueError, match="gguf_matmul_x16"):
+        q8k.gguf_matmul_x16("Q6_K", torch.randn(2, 256), tiles, n)
     with pytest.raises(ValueError, match="q8k_quantize"):
         q8k.q8k_quantize(torch.randn(2, 100))
 
@@ -176,6 +236,6 @@ def test_extreme_codes_scales_and_activations(q8k, qtype):
     x = torch.stack([ones, -ones, alt, -alt, ones * 1e-3, torch.where(torch.arange(k) % 256 == 7,
                      1000.0, -1.0), (torch.arange(k) % 255 - 127.0) / 127])
     ref, mag = reference(q8k, qtype, x, blocks, k)
-    got = q8k.gguf_matmul_q8k(qtype, x, torch.from_numpy(blocks), 2).double()
+    got = x16(q8k, qtype, x, blocks).double()
     assert mag.max() > 1e4  # the sums are large: an int16 wrap would show
     assert ((got - ref).abs() <= mag * 2e-6 + 1e-30).all(), (got - ref).abs().max()

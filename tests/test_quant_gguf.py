@@ -177,7 +177,7 @@ def test_fused_k_quant_layer_runs_each_part_in_its_kernel(dtype, exact):
     assert isinstance(packed, FusedNativeWeight)
     # exact zero points: q, k in the int4 kernel; random fp16 d, dmin (a subnormal among
     # them): inexact, q and k fall back to gguf_matmul. v (Q6_K) is in gguf_matmul.
-    # bfloat16 on an AVX512-VNNI CPU: Q4_K and Q6_K in gguf_matmul_q8k (int8 activations).
+    # bfloat16 on an AVX512-VNNI CPU: Q4_K and Q6_K in gguf_matmul_x16 (int8 activations).
     kinds = [getattr(p, "qtype", "int4") for p in packed.parts]
     q8k = q8k_enabled(dtype)
     assert kinds == (["int4", "Q6_K"] if exact and not q8k else ["Q4_K", "Q6_K"])

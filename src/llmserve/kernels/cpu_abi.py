@@ -32,8 +32,6 @@ _SIGNATURES = {
     "q8_0_matmul": [_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _INT],
     # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
     "gguf_matmul": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
-    # qtype, dtype, out, out_stride, x, x_stride, blocks, M, N, K, num_threads
-    "gguf_matmul_q8k": [_INT, _INT, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT],
     # dtype, x, x_stride, M, K, codes, scales
     "q8k_quantize": [_INT, _P, _I64, _I64, _I64, _P, _P],
     "gguf_q8k_available": [],

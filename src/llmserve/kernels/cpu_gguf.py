@@ -1,8 +1,8 @@
 """Typed wrappers over the GGUF block-matmul kernels (``cpu_kernels.c``: Q8_0, and the
-Q5_0 / Q4_K / Q5_K / Q6_K blocks of ``gguf_matmul``; ``cpu_kernels_vnni.c``: the Q8_K
-activation path), mixed into :class:`~llmserve.kernels.cpu.CpuKernels`. Block layouts
-are ggml's (``ggml-common.h``); each wrapper checks shapes and dtypes and the C side
-checks the rest (a status)."""
+Q5_0 / Q4_K / Q5_K / Q6_K blocks of ``gguf_matmul``; ``cpu_kernels_vnni.c`` and
+``cpu_kernels_x16.c``: Q8_K activations x repacked Q4_K / Q6_K), mixed into
+:class:`~llmserve.kernels.cpu.CpuKernels`. Block layouts are ggml's (``ggml-common.h``);
+each wrapper checks shapes and dtypes and the C side checks the rest (a status)."""
 
 from __future__ import annotations
 
@@ -100,41 +100,8 @@ class GgufMatmulKernels:
 
     @property
     def has_q8k_dot(self) -> bool:
-        """True where :meth:`gguf_matmul_q8k` runs (built with AVX512-VNNI, CPU has it)."""
+        """True where :meth:`gguf_matmul_x16` runs (built with AVX512-VNNI, CPU has it)."""
         return bool(self._gguf_q8k_available())
-
-    def gguf_matmul_q8k(self, qtype: str, x: torch.Tensor, blocks: torch.Tensor,
-                        num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
-        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
-        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme (cpu_kernels_vnni.c).
-
-        Args:
-            qtype: ``"Q4_K"`` or ``"Q6_K"``.
-            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
-            blocks: uint8 ``[N, K / 256 * block_bytes]`` contiguous (the file's bytes).
-            out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
-
-        Returns:
-            ``[M, N]`` in ``x``'s dtype: exact integer block sums times float32 scales,
-            summed in float32 in a fixed order (a row's result never depends on the others).
-
-        Raises:
-            ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI
-                (check :attr:`has_q8k_dot`).
-        """
-        layout, code, out = _gguf_call_args(
-            "gguf_matmul_q8k", GGUF_MATMUL_TYPES.get(qtype) if qtype in ("Q4_K", "Q6_K")
-            else None, qtype, x, blocks, out)
-        num_rows, k = x.shape
-        n = blocks.shape[0]
-        status = self._gguf_matmul_q8k(layout[0], code, out.data_ptr(), out.stride(0),
-                                       x.data_ptr(), x.stride(0), blocks.data_ptr(), num_rows,
-                                       n, k, num_threads)
-        if status == -5:
-            raise ValueError("gguf_matmul_q8k: this CPU or build has no AVX512-VNNI")
-        check_status(status, "gguf_matmul_q8k")
-        return out
 
     def gguf_repack_x16(self, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
         """A GGUF Q4_K / Q6_K weight's blocks ``[N, K / 256 * block_bytes]`` (uint8, the
@@ -158,9 +125,13 @@ class GgufMatmulKernels:
 
     def gguf_matmul_x16(self, qtype: str, x: torch.Tensor, tiles: torch.Tensor, n: int,
                         num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`gguf_matmul_q8k`'s product (Q8_K activations, exact integer block sums,
-        float32 scales) on the x16 tiles of :meth:`gguf_repack_x16`: one VNNI dot product
-        serves 16 weight rows, no per-row reduction (cpu_kernels_x16.c).
+        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
+        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
+        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme, on the x16 tiles of
+        :meth:`gguf_repack_x16`: one VNNI dot product serves 16 weight rows
+        (cpu_kernels_x16.c). A row with a block whose max |x| exceeds 32 times its mean
+        |x| (massive activations) gets a second Q8_K pass of its rounding residual, so
+        such blocks keep about 15 bits of their range instead of 8.
 
         Args:
             qtype: ``"Q4_K"`` or ``"Q6_K"``.
@@ -170,7 +141,8 @@ class GgufMatmulKernels:
             out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
 
         Returns:
-            ``[M, N]`` in ``x``'s dtype; a row's result never depends on the other rows.
+            ``[M, N]`` in ``x``'s dtype: exact integer block sums times float32 scales,
+            summed in float32 in a fixed order (a row's result never depends on the others).
 
         Raises:
             ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI.
@@ -196,7 +168,7 @@ class GgufMatmulKernels:
         return out
 
     def q8k_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q8_K activation quantization of :meth:`gguf_matmul_q8k`: ``x [M, K]`` ->
+        """The Q8_K activation quantization of :meth:`gguf_matmul_x16`: ``x [M, K]`` ->
         int8 codes ``[M, K]`` and float32 scales ``[M, K / 256]`` (``x ~ codes * scale``).
 
         Raises:

@@ -1,15 +1,17 @@
-/* GGUF Q4_K / Q6_K repacked 16 rows at a time, x int8 (Q8_K) activations, for decode rows
- * (included by cpu_kernels.c after cpu_kernels_vnni.c, whose Q8_K quantization it shares).
+/* GGUF Q4_K / Q6_K weights repacked 16 rows to a tile, x int8 (Q8_K) activations: the
+ * int8-activation matmul (included by cpu_kernels.c after cpu_kernels_vnni.c, whose Q8_K
+ * quantization and arithmetic it uses: exact integer block sums, one float32 FMA per
+ * block, llama.cpp's ggml_vec_dot_q4_K_q8_K scheme).
  *
- * The arithmetic is gguf_matmul_q8k's (llama.cpp's ggml_vec_dot_q4_K_q8_K scheme, exact
- * integer block sums, one float32 FMA per block); only the order of the weight bytes
- * changes. gguf_matmul_q8k walks one weight row at a time and ends each with a horizontal
- * sum of a vector; the x16 layout interleaves 16 weight rows so that one VPDPBUSD
- * multiplies 4 consecutive codes of each of the 16 rows by the same 4 activation bytes
- * (broadcast from memory), and the 16 int32 lanes are the 16 rows' sums: no shuffles of
- * the codes, no per-row reduction, scales applied to 16 rows by one instruction. The
- * layout is in the spirit of llama.cpp's repacked "q4_K_8x8" CPU weights (ggml-cpu
- * repack.cpp); this one is our own, sized for AVX-512.
+ * Walking the file's rows one at a time costs a horizontal sum per weight row and lane
+ * shuffles of each block's scales. The x16 layout interleaves 16 weight rows instead, so
+ * that one VPDPBUSD multiplies 4 consecutive codes of each of the 16 rows by the same 4
+ * activation bytes (broadcast from memory): the 16 int32 lanes are the 16 rows' sums, no
+ * shuffles, no per-row reduction, each scale applied to 16 rows by one instruction. The
+ * idea is llama.cpp's repacked CPU weights (ggml-cpu repack.cpp, "q4_K_8x8"); this
+ * layout is our own, sized for AVX-512. Measured (Qwen2.5-Coder-1.5B shapes, 2 threads,
+ * weights out of cache): gate_up 17920 x 1536 Q4_K at 1 row 0.81 ms vs 1.20 for torch's
+ * int4 kernel, 1.33 vs 2.77 ms at 8 rows; the Q6_K LM head 8.6 ms vs 14.4 (gguf_matmul).
  *
  * One tile = 16 weight rows x one 256-weight super-block, tiles [N / 16][K / 256]
  * (a group's tiles contiguous; N padded to 16 with zero rows). Byte t of row r's 4-byte
@@ -246,7 +248,7 @@ static inline __attribute__((always_inline)) void x16_rows(
  * is x = d q + r with |r| <= d / 2 per block; r is quantized to Q8_K too and computed
  * as one more row, and the row's output is y(d q) + y(r): about 15 bits of each block's
  * range instead of 8. The decision reads only the row itself (batch invariance). */
-#define X16_OUTLIER_RATIO 64.f
+#define X16_OUTLIER_RATIO 32.f
 
 static int x16_needs_second_pass(int dtype, const void *x, int64_t K) {
     const size_t es = elem_size(dtype);

@@ -1,24 +1,28 @@
-"""GGUF weights in the C kernel ``gguf_matmul``, and fused layers of mixed GGUF types.
+"""GGUF weights in the C kernels, and fused layers of mixed GGUF types.
 
 Which kernel runs a GGUF tensor (``--quantization gguf-native`` / ``gguf-hybrid``)::
 
-    Q4_K, Q6_K with bfloat16 activations on an AVX512-VNNI CPU
-                              -> gguf_matmul_q8k (C, the file's bytes, int8 activations)
+    Q4_K, Q6_K with bfloat16 activations on an AVX512-VNNI CPU (the default there;
+    LLMSERVE_Q8K_DOT=0 turns it off)
+                              -> gguf_matmul_x16 (C, int8 activations, the blocks
+                                 repacked 16 rows to a tile at load)
     Q4_0, Q4_1, Q4_K          -> int4 kernel (int4pack: group-32 codes, exact mapping)
     Q4_K where z = -dmin m + 8 d sc is not exact in float32 -> gguf_matmul
     Q5_0, Q5_K, Q6_K, Q8_0    -> gguf_matmul (C, the file's own bytes; needs the C kernels)
     Q8_0 without C kernels    -> int4 kernel, input doubled (int4pack)
 
-``gguf_matmul_q8k`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
+``gguf_matmul_x16`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
 ``q6_K_q8_K``): each row of x quantized to int8 per 256 values (Q8_K), integer dot
-products with the 4/6-bit codes, exact per block. Opt-in (``LLMSERVE_Q8K_DOT=1``). On
-Qwen2.5-Coder-1.5B Q4_K_M (96 tokens, benchmarks/q8k_quality.py) it is as close to
-llama.cpp as llama.cpp's own int8 activations allow (vs llama.cpp: max |logit diff| 1.0,
-perplexity -0.2%). Against the dequantized float32 model both differ by max 13.0 / 12.1
-and perplexity +3.1% / +3.3%, all from position 0: a lone token's hidden state carries
-Qwen2's massive activations (max/mean |x| of a 256-value block up to ~240), coarse in
-Q8_K; from position 1 on, q8k max 0.72, perplexity -0.46% (llama.cpp 0.67, +0.39%; bf16
-0.26, -0.16%). Float32 activations never use it.
+products with the 4/6-bit codes, exact per block; plus a second Q8_K pass for rows
+with massive activations (a block whose max |x| exceeds 32x its mean |x|), which
+llama.cpp does not have. Measured on Qwen2.5-Coder-1.5B Q4_K_M against the dequantized
+float32 model (the 96 tokens of the real-model test, gguf-native, every row int8):
+max |logit diff| 0.91, mean 0.056, perplexity -0.28%; the bfloat16-activation kernels
+0.72 / 0.025 / -0.18%; Q8_K alone (and llama.cpp) 13.1 / 0.097 / +4.1%, all of it at
+position 0, where a lone token's hidden state carries Qwen2's massive activations (a
+256-value block's max up to 240x its mean). Batch-1 decode of that model: 1.6x the
+bfloat16-activation kernels (benchmarks/gguf_q8k.py --model). Float32 activations
+never use it.
 
 A fused layer (q/k/v, gate/up) whose shards differ in kernel is split into
 consecutive row parts, one weight per part, and their outputs are written side by
@@ -47,23 +51,24 @@ logger = logging.getLogger(__name__)
 C_KERNEL_TYPES = frozenset({"Q5_0", "Q5_K", "Q6_K", "Q8_0"})
 C_FALLBACK_TYPES = frozenset({"Q4_K"})  # also in gguf_matmul, used when int4 is inexact
 MAX_ROWS = 16  # gguf_matmul takes at most 16 rows of x a call
-Q8K_TYPES = frozenset({"Q4_K", "Q6_K"})  # gguf_matmul_q8k
+Q8K_TYPES = frozenset({"Q4_K", "Q6_K"})  # gguf_matmul_x16
 
 
 def q8k_enabled(dtype: torch.dtype) -> bool:
-    """True where Q4_K / Q6_K run in ``gguf_matmul_q8k``: bfloat16 activations, C kernels
-    with AVX512-VNNI, and ``LLMSERVE_Q8K_DOT=1`` (opt-in: module doc)."""
-    if dtype != torch.bfloat16 or os.environ.get("LLMSERVE_Q8K_DOT", "0").strip().lower() not in \
-            ("1", "true", "yes", "on"):
+    """True where Q4_K / Q6_K run in ``gguf_matmul_x16`` (int8 activations): bfloat16
+    activations and C kernels with AVX512-VNNI, unless ``LLMSERVE_Q8K_DOT=0``."""
+    if dtype != torch.bfloat16 or os.environ.get("LLMSERVE_Q8K_DOT", "1").strip().lower() in \
+            ("0", "false", "no", "off"):
         return False
     kernels = get_cpu_kernels()
     return kernels is not None and kernels.has_q8k_dot
 
 
 class GGUFBlockWeight:
-    """One GGUF weight ``[N, K]`` kept as its file bytes (uint8 ``[N, bytes per row]``),
-    multiplied by the C kernel ``gguf_matmul``, or ``gguf_matmul_q8k`` (int8
-    activations) when ``int8_activations``."""
+    """One GGUF weight ``[N, K]``: its file bytes (uint8 ``[N, bytes per row]``) for the
+    C kernel ``gguf_matmul``, or, when ``int8_activations`` (Q4_K / Q6_K), those bytes
+    repacked into x16 tiles (``[ceil(N / 16), K / 256 * tile bytes]``) for
+    ``gguf_matmul_x16``."""
 
     def __init__(self, qtype: str, blocks: torch.Tensor, in_features: int,
                  dtype: torch.dtype, int8_activations: bool = False) -> None:

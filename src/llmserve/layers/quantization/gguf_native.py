@@ -16,7 +16,7 @@ the call, so a token's numerics never depend on which requests share its step::
     prompt rows  (module path, Linear.forward)        -> gguf-native: packed kernel
                                                          gguf-hybrid: dense copy
     LM head      (F.linear on NativeLMHeadWeight)     -> packed kernel, any M
-    untied LM head of GGUF blocks (gguf_matmul[_q8k]) -> packed kernel, any M,
+    untied LM head of GGUF blocks (gguf_matmul[_x16]) -> packed kernel, any M,
                                                          also in gguf-hybrid (no dense copy)
 
 Measured on this engine's CPU (torch 2.13, 2 threads, bf16): the int4, Q8_0 and
@@ -105,9 +105,10 @@ class GGUFNativeConfig(QuantizationConfig):
         """Give a tied embedding's LM-head matmul the packed weight; drop raw sources.
 
         gguf-hybrid: an untied LM head kept as GGUF blocks (``gguf_matmul`` or
-        ``gguf_matmul_q8k``) runs them for every row and drops its dense copy: 151936 x
+        ``gguf_matmul_x16``) runs them for every row and drops its dense copy: 151936 x
         1536 bf16 is 445 MiB read each decode step (76 ms CPU on one thread here), the
-        Q6_K blocks 182 MiB (28 ms in gguf_matmul, 19 ms in gguf_matmul_q8k).
+        Q6_K blocks 182 MiB (2 threads, out of cache: 14.4 ms in gguf_matmul, 8.6 ms in
+        gguf_matmul_x16).
         """
         for module in model.modules():
             method = getattr(module, "quant_method", None)
