@@ -1,10 +1,11 @@
-"""The Q4_K / Q6_K x int8-activation kernel ``gguf_matmul_x16`` on the tiles of
-``gguf_repack_x16`` (cpu_kernels_x16.c, Q8_K activations of cpu_kernels_vnni.c).
+"""The int8-activation kernel ``gguf_matmul_x16`` on the tiles of ``gguf_repack_x16``:
+Q4_K / Q6_K with Q8_K activations (cpu_kernels_x16.c, cpu_kernels_vnni.c), Q8_0 / Q5_0
+with activations quantized per 32 (cpu_kernels_x16_q32.c).
 
-Oracle: the weights decoded here from the raw block bytes in numpy (checked against
-``gguf.quants.dequantize``, llama.cpp's formulas), times the kernel's own quantized
-activations (codes * scale, plus the second pass of an outlier row: the codes of its
-rounding residual), summed in float64. The kernel's integer block sums are exact, so it
+Oracle: the weights decoded here from the raw block bytes in numpy (K-quants; checked
+against ``gguf.quants.dequantize``, llama.cpp's formulas) or by ``gguf.quants`` (Q8_0,
+Q5_0), times the kernel's quantized activations (codes * scale, plus the second pass of
+an outlier row: the codes of its rounding residual), summed in float64. The kernel's integer block sums are exact, so it
 must agree up to float32 rounding of the per-block scale products and sums. The
 activation quantization itself is checked against numpy's float32 ops.
 """
@@ -19,7 +20,8 @@ from gguf.quants import dequantize
 
 from tests.test_kernels import kernels, random_gguf_blocks  # noqa: F401 (fixture)
 
-QTYPES = ["Q4_K", "Q6_K"]
+K_QTYPES = ["Q4_K", "Q6_K"]  # Q8_K activations
+QTYPES = [*K_QTYPES, "Q8_0", "Q5_0"]  # Q8_0 / Q5_0: activations per 32
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +66,42 @@ def decode_blocks(qtype: str, blocks: np.ndarray, k: int) -> np.ndarray:
     return w.reshape(n, k)
 
 
-OUTLIER_RATIO = 32  # a row whose block max |x| exceeds this times its mean |x|: 2 passes
+OUTLIER_RATIO = 32  # a row whose 256-span max |x| exceeds this times its mean |x|: 2 passes
 
 
-def dequantized_activations(q8k, x: torch.Tensor) -> torch.Tensor:
-    """float64 ``[M, K]``: what the kernel multiplies, Q8_K codes * scales, plus for an
-    outlier row the Q8_K of its float32 rounding residual."""
+def quantize_per_32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q8_0 / Q5_0 activations: int8 codes and float32 scales per 32 (float32 ops)."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    iscale = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    codes = torch.clamp(torch.round(xb * iscale), -127, 127)
+    scales = torch.where(iscale > 0, 1 / iscale, torch.zeros(()))
+    return codes.view(x.shape).to(torch.int8), scales[..., 0]
+
+
+def dequantized_activations(q8k, qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``[M, K]``: what the kernel multiplies, int8 codes * scales (per 256 for the
+    K-quants, per 32 for Q8_0 / Q5_0), plus for an outlier row the codes of its float32
+    rounding residual."""
     m, k = x.shape
-    codes, scales = q8k.q8k_quantize(x)
-    first = (codes.float().view(m, -1, 256) * scales[..., None]).view(m, k)
+    per = 256 if qtype in K_QTYPES else 32
+    quantize = q8k.q8k_quantize if per == 256 else quantize_per_32
+    codes, scales = quantize(x)
+    first = (codes.float().view(m, -1, per) * scales[..., None]).view(m, k)
     xq = first.double()
-    blocks = x.float().abs().view(m, -1, 256)
-    second = (blocks.amax(-1) > OUTLIER_RATIO * (blocks.sum(-1) / 256)).any(-1)
-    for i in torch.nonzero(second).flatten().tolist():
-        c2, s2 = q8k.q8k_quantize((x[i:i + 1].float() - first[i:i + 1]).contiguous())
-        xq[i] += (c2.double().view(-1, 256) * s2.double()[0, :, None]).view(k)
+    for i in range(m):
+        spans = x[i].float().abs().split(256)
+        if not any(s.amax() > OUTLIER_RATIO * (s.sum() / s.numel()) for s in spans):
+            continue
+        c2, s2 = quantize((x[i:i + 1].float() - first[i:i + 1]).contiguous())
+        xq[i] += (c2.double().view(-1, per) * s2.double()[0, :, None]).view(k)
     return xq
+
+
+def weights(qtype: str, blocks: np.ndarray, k: int) -> np.ndarray:
+    if qtype in K_QTYPES:
+        return decode_blocks(qtype, blocks, k)
+    return dequantize(blocks, GGMLQuantizationType[qtype]).reshape(-1, k).astype(np.float64)
 
 
 def x16(q8k, qtype, x, blocks, threads=2, out=None):
@@ -90,12 +112,12 @@ def x16(q8k, qtype, x, blocks, threads=2, out=None):
 
 
 def reference(q8k, qtype, x, blocks, k):
-    xq = dequantized_activations(q8k, x)
-    w = torch.from_numpy(decode_blocks(qtype, blocks, k))
+    xq = dequantized_activations(q8k, qtype, x)
+    w = torch.from_numpy(weights(qtype, blocks, k))
     return xq @ w.t(), xq.abs() @ w.abs().t()
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", K_QTYPES)
 def test_decoder_matches_gguf_quants(qtype):
     blocks = random_gguf_blocks(qtype, 8, 512, seed=3)
     ref = dequantize(blocks, GGMLQuantizationType[qtype]).reshape(8, 512).astype(np.float64)
@@ -121,7 +143,8 @@ def test_activation_quantization_is_q8_k(q8k, dtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_of_quantized_activations(q8k, qtype, dtype):
-    n, k = 40, 1024  # 40 rows: two whole tiles of 16 and one padded
+    n = 40  # two whole tiles of 16 rows and one padded
+    k = 1024 if qtype in K_QTYPES else 896  # 896: Qwen2.5-0.5B's hidden size, 3.5 x 256
     blocks = random_gguf_blocks(qtype, n, k, seed=1)
     for m in (1, 3, 4, 5, 6, 7, 16):  # row tiles of 1..3 and 4: 4 + 1, 4 + 3, 4 x 4
         x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
@@ -157,13 +180,14 @@ def test_second_pass_keeps_massive_activation_rows_precise(q8k, qtype):
     the float32 product of the unquantized x, as close as rows without outliers."""
     n, k = 64, 1024
     blocks = random_gguf_blocks(qtype, n, k, seed=4)
-    w = torch.from_numpy(decode_blocks(qtype, blocks, k))
+    w = torch.from_numpy(weights(qtype, blocks, k))
     x = torch.randn(2, k)
     x[1, 17] = 240 * x[1, :256].abs().mean()
     exact = x.double() @ w.t()
     err = (x16(q8k, qtype, x, blocks).double() - exact).abs().amax(-1) / exact.abs().amax(-1)
-    codes, scales = q8k.q8k_quantize(x)  # Q8_K alone, as llama.cpp: far off on row 1
-    one_pass = (codes.double().view(2, -1, 256) * scales.double()[..., None]).view(2, k) @ w.t()
+    per = 256 if qtype in K_QTYPES else 32  # one pass alone, as llama.cpp: far off on row 1
+    codes, scales = (q8k.q8k_quantize if per == 256 else quantize_per_32)(x)
+    one_pass = (codes.double().view(2, -1, per) * scales.double()[..., None]).view(2, k) @ w.t()
     err_one = (one_pass - exact).abs().amax(-1) / exact.abs().amax(-1)
     assert err[1] < 2 * err[0] + 1e-6 and err_one[1] > 20 * err[1], (err, err_one)
 
@@ -225,7 +249,7 @@ def extreme_blocks(qtype: str, n: int, k: int) -> np.ndarray:
     return b.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", K_QTYPES)
 def test_extreme_codes_scales_and_activations(q8k, qtype):
     """No saturation or overflow: maximal codes x maximal scales x activations quantized
     to +-127 everywhere (VPMADDUBSW pairs, VPDPWSSD lanes, bsums at their bounds)."""

@@ -12,8 +12,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # quantized KV cache formats (cpu_kernels_kvq.c): name -> (code, cache storage dtype)
 KV_QUANT_FORMATS = {"int8": (0, torch.int8), "fp8_e4m3": (1, torch.uint8)}
 # GGUF types of gguf_matmul: name -> (ggml type id, weights per block, bytes per block)
-# bytes of one x16 tile (16 rows x 256 weights) of gguf_repack_x16 / gguf_matmul_x16
-X16_TILE_BYTES = {"Q4_K": 2368, "Q6_K": 3360}
+# bytes of one x16 tile (16 rows x one block: 256 weights, Q8_0 / Q5_0 32) of
+# gguf_repack_x16 / gguf_matmul_x16
+X16_TILE_BYTES = {"Q4_K": 2368, "Q6_K": 3360, "Q8_0": 544, "Q5_0": 352}
 GGUF_MATMUL_TYPES = {"Q5_0": (6, 32, 22), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                      "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

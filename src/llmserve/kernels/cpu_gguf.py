@@ -104,10 +104,11 @@ class GgufMatmulKernels:
         return bool(self._gguf_q8k_available())
 
     def gguf_repack_x16(self, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
-        """A GGUF Q4_K / Q6_K weight's blocks ``[N, K / 256 * block_bytes]`` (uint8, the
-        file's bytes) -> its x16 tiles ``[ceil(N / 16), K / 256 * tile_bytes]`` uint8 for
-        :meth:`gguf_matmul_x16` (layout: cpu_kernels_x16.c; 148 bytes a row-block for Q4_K,
-        210 for Q6_K; rows past N are zero).
+        """A GGUF Q4_K / Q6_K / Q8_0 / Q5_0 weight's blocks ``[N, K / B * block_bytes]``
+        (uint8, the file's bytes; B = 256 weights a block, 32 for Q8_0 / Q5_0) -> its x16
+        tiles ``[ceil(N / 16), K / B * tile_bytes]`` uint8 for :meth:`gguf_matmul_x16`
+        (layouts: cpu_kernels_x16.c, cpu_kernels_x16_q32.c; as many bytes a row-block as
+        the file, 148 for Q4_K's 144; rows past N are zero).
 
         Raises:
             ValueError: another type, a shape that is not whole blocks, a non-CPU tensor.
@@ -117,26 +118,30 @@ class GgufMatmulKernels:
         if qtype not in X16_TILE_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
                 blocks.shape[1] % layout[2] or not blocks.is_contiguous() or not blocks.is_cpu:
             raise ValueError(f"gguf_repack_x16: {qtype} blocks {tuple(blocks.shape)} {blocks.dtype}")
-        k = blocks.shape[1] // layout[2] * 256
-        tiles = torch.empty(((n + 15) // 16, k // 256 * X16_TILE_BYTES[qtype]), dtype=torch.uint8)
-        check_status(self._gguf_repack_x16(layout[0], blocks.data_ptr(), n, k, tiles.data_ptr()),
+        num_blocks = blocks.shape[1] // layout[2]
+        tiles = torch.empty(((n + 15) // 16, num_blocks * X16_TILE_BYTES[qtype]),
+                            dtype=torch.uint8)
+        check_status(self._gguf_repack_x16(layout[0], blocks.data_ptr(), n,
+                                           num_blocks * layout[1], tiles.data_ptr()),
                      "gguf_repack_x16")
         return tiles
 
     def gguf_matmul_x16(self, qtype: str, x: torch.Tensor, tiles: torch.Tensor, n: int,
                         num_threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T`` for a GGUF Q4_K / Q6_K weight with ``x`` quantized to int8 per row
-        (Q8_K: one float32 scale per 256 values) and integer dot products (AVX512-VNNI),
-        llama.cpp's ``ggml_vec_dot_q4_K_q8_K`` / ``q6_K_q8_K`` scheme, on the x16 tiles of
+        """``x W^T`` for a GGUF Q4_K / Q6_K / Q8_0 / Q5_0 weight with ``x`` quantized to int8
+        per row and integer dot products (AVX512-VNNI) on the x16 tiles of
         :meth:`gguf_repack_x16`: one VNNI dot product serves 16 weight rows
-        (cpu_kernels_x16.c). A row with a block whose max |x| exceeds 32 times its mean
-        |x| (massive activations) gets a second Q8_K pass of its rounding residual, so
-        such blocks keep about 15 bits of their range instead of 8.
+        (cpu_kernels_x16.c). llama.cpp's schemes: Q4_K / Q6_K with Q8_K activations (one
+        float32 scale per 256 values; ``ggml_vec_dot_q4_K_q8_K``), Q8_0 / Q5_0 with one
+        scale per 32 (``ggml_vec_dot_q8_0_q8_0``). A row with a 256-value span whose max
+        |x| exceeds 32 times its mean |x| (massive activations) gets a second pass of its
+        rounding residual, so such blocks keep about 15 bits of their range instead of 8.
 
         Args:
-            qtype: ``"Q4_K"`` or ``"Q6_K"``.
-            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``, ``K % 256 == 0``.
-            tiles: uint8 ``[ceil(n / 16), K / 256 * tile_bytes]`` from :meth:`gguf_repack_x16`.
+            qtype: ``"Q4_K"``, ``"Q6_K"`` (``K % 256 == 0``), ``"Q8_0"`` or ``"Q5_0"``
+                (``K % 32 == 0``).
+            x: ``[M, K]`` (rows may be strided), ``1 <= M <= 16``.
+            tiles: uint8 from :meth:`gguf_repack_x16`.
             n: the weight's rows N.
             out: optional ``[M, N]`` destination in ``x``'s dtype (rows may be strided).
 
@@ -148,8 +153,9 @@ class GgufMatmulKernels:
             ValueError: another type, shapes, dtypes, M outside 1..16, or no AVX512-VNNI.
         """
         num_rows, k = x.shape
-        if qtype not in X16_TILE_BYTES or tiles.dtype != torch.uint8 or x.stride(1) != 1 or \
-                k % 256 or tiles.shape != ((n + 15) // 16, k // 256 * X16_TILE_BYTES[qtype]) or \
+        block = GGUF_MATMUL_TYPES[qtype][1] if qtype in X16_TILE_BYTES else 0
+        if not block or tiles.dtype != torch.uint8 or x.stride(1) != 1 or k % block or \
+                tiles.shape != ((n + 15) // 16, k // block * X16_TILE_BYTES[qtype]) or \
                 not tiles.is_contiguous() or not 1 <= num_rows <= 16 or not tiles.is_cpu:
             raise ValueError(f"gguf_matmul_x16: {qtype} x {tuple(x.shape)}, tiles "
                              f"{tuple(tiles.shape)} {tiles.dtype} for {n} rows")

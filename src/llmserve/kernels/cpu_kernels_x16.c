@@ -63,8 +63,13 @@ static void x16_unpack_block(int qtype, const uint8_t *b, uint8_t *codes, int *s
     }
 }
 
-/* w: GGUF blocks [N, K / 256] -> out: x16 tiles [ceil(N / 16)][K / 256]. 0, or -1. */
+/* w: GGUF blocks [N, K / 256] -> out: x16 tiles [ceil(N / 16)][K / 256] (Q8_0 / Q5_0:
+ * units [ceil(N / 16)][K / 32], cpu_kernels_x16_q32.c). 0, or -1. */
+static int x16_q32_repack(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
+
 int gguf_repack_x16(int qtype, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    if ((qtype == GGML_Q8_0 || qtype == GGML_Q5_0) && K % 32 == 0 && N >= 1)
+        return x16_q32_repack(qtype, w, N, K, out);
     const int tb = x16_tile_bytes(qtype);
     if (!tb || K % 256 || N < 1) return -1;
     const int64_t nb = K / 256, bb = gguf_block_bytes(qtype), groups = (N + 15) / 16;
@@ -253,15 +258,16 @@ static inline __attribute__((always_inline)) void x16_rows(
 static int x16_needs_second_pass(int dtype, const void *x, int64_t K) {
     const size_t es = elem_size(dtype);
     float xf[256];
-    for (int64_t b = 0; b < K / 256; b++) {
-        load_row(dtype, xf, (const char *)x + b * 256 * es, 256);
+    for (int64_t b = 0; b < K; b += 256) {  /* spans of 256 (the last may be shorter) */
+        const int n = K - b < 256 ? (int)(K - b) : 256;
+        load_row(dtype, xf, (const char *)x + b * es, n);
         float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < 256; i++) {
+        for (int i = 0; i < n; i++) {
             const float v = fabsf(xf[i]);
             amax = v > amax ? v : amax;
             sum += v;
         }
-        if (amax > X16_OUTLIER_RATIO * (sum / 256.f)) return 1;
+        if (amax > X16_OUTLIER_RATIO * (sum / (float)n)) return 1;
     }
     return 0;
 }
@@ -275,9 +281,16 @@ static inline q8k_act q8k_act_row(q8k_act a, int64_t row, int64_t K) {
 /* out[m, n] (row stride out_stride elements) = x[m] . W[n], x[m] quantized to Q8_K (plus
  * a second pass for outlier rows, above), W the x16 tiles of gguf_repack_x16 (N rows).
  * M in 1..16. -5: no AVX512-VNNI here. */
+static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void *x,
+                          int64_t x_stride, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                          int num_threads);
+
 int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const void *x,
                     int64_t x_stride, const uint8_t *w, int64_t M, int64_t N, int64_t K,
                     int num_threads) {
+    if ((qtype == GGML_Q8_0 || qtype == GGML_Q5_0) && K % 32 == 0 && M >= 1 && M <= 16 &&
+        N >= 1 && out_stride >= N)
+        return x16_q32_matmul(qtype, dtype, out, out_stride, x, x_stride, w, M, N, K, num_threads);
     if (!x16_tile_bytes(qtype) || K % 256 || M < 1 || M > 16 || N < 1 || out_stride < N)
         return -1;
 #ifndef GGUF_Q8K_DOT
@@ -319,6 +332,57 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
             x16_rows(GGML_Q4_K, tiles, a, bs32, rows, K, y);
         else
             x16_rows(GGML_Q6_K, tiles, a, bs32, rows, K, y);
+        const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t r = 0; r < nr; r++)
+                store(dtype, out, m * out_stride + gi * 16 + r,
+                      second[m] < 0 ? y[16 * m + r] : y[16 * m + r] + y[16 * second[m] + r]);
+    }
+    free(buf);
+    return 0;
+#endif
+}
+
+#include "cpu_kernels_x16_q32.c"
+
+/* gguf_matmul_x16 for Q8_0 / Q5_0 units: per-32 activations, the same second pass */
+static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void *x,
+                          int64_t x_stride, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                          int num_threads) {
+#ifndef GGUF_Q8K_DOT
+    (void)qtype; (void)dtype; (void)out; (void)out_stride; (void)x; (void)x_stride; (void)w;
+    (void)M; (void)N; (void)K; (void)num_threads;
+    return -5;
+#else
+    if (!gguf_q8k_available()) return -5;
+    const int64_t nb = K / 32, groups = (N + 15) / 16, gbytes = nb * x16_q32_unit_bytes(qtype);
+    const int64_t R = 2 * M;
+    const int offset = qtype == GGML_Q8_0 ? 128 : 16;
+    char *buf = aligned_alloc(64, ((size_t)(R * K) + (size_t)(R * nb) * 8 + (size_t)K * 4 + 127)
+                                  / 64 * 64);
+    if (!buf) return -2;
+    float *d = (float *)buf, *resid = d + R * nb;
+    int32_t *ob = (int32_t *)(resid + K);
+    int8_t *q = (int8_t *)(ob + R * nb);
+    x16_q32_quantize_rows(dtype, x, x_stride, M, K, offset, q, d, ob);
+    int64_t second[16], rows = M;
+    const size_t es = elem_size(dtype);
+    for (int64_t m = 0; m < M; m++) {
+        const char *xm = (const char *)x + m * x_stride * es;
+        second[m] = -1;
+        if (!x16_needs_second_pass(dtype, xm, K)) continue;
+        load_row(dtype, resid, xm, K);
+        for (int64_t i = 0; i < K; i++) resid[i] -= d[m * nb + i / 32] * (float)q[m * K + i];
+        x16_q32_quantize_rows(DT_F32, resid, K, 1, K, offset, q + rows * K, d + rows * nb,
+                              ob + rows * nb);
+        second[m] = rows++;
+    }
+    const int nt = num_threads < 1 ? 1 : num_threads;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        float y[32 * 16];
+        x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, rows, K, y);
         const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
         for (int64_t m = 0; m < M; m++)
             for (int64_t r = 0; r < nr; r++)

@@ -2,18 +2,20 @@
 
 Which kernel runs a GGUF tensor (``--quantization gguf-native`` / ``gguf-hybrid``)::
 
-    Q4_K, Q6_K with bfloat16 activations on an AVX512-VNNI CPU (the default there;
-    LLMSERVE_Q8K_DOT=0 turns it off)
+    Q4_K, Q6_K, Q8_0, Q5_0 with bfloat16 activations on an AVX512-VNNI CPU (the
+    default there; LLMSERVE_Q8K_DOT=0 turns it off)
                               -> gguf_matmul_x16 (C, int8 activations, the blocks
                                  repacked 16 rows to a tile at load)
+    a tied Q8_0 LM head       -> q8_0_matmul (bfloat16 activations, gguf_native.py)
     Q4_0, Q4_1, Q4_K          -> int4 kernel (int4pack: group-32 codes, exact mapping)
     Q4_K where z = -dmin m + 8 d sc is not exact in float32 -> gguf_matmul
     Q5_0, Q5_K, Q6_K, Q8_0    -> gguf_matmul (C, the file's own bytes; needs the C kernels)
     Q8_0 without C kernels    -> int4 kernel, input doubled (int4pack)
 
 ``gguf_matmul_x16`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
-``q6_K_q8_K``): each row of x quantized to int8 per 256 values (Q8_K), integer dot
-products with the 4/6-bit codes, exact per block; plus a second Q8_K pass for rows
+``q6_K_q8_K``; ``q8_0_q8_0`` / ``q5_0_q8_0``): each row of x quantized to int8 per 256
+values (Q8_K; per 32 for Q8_0 / Q5_0 weights), integer dot products with the codes,
+exact per block; plus a second Q8_K pass for rows
 with massive activations (a block whose max |x| exceeds 32x its mean |x|), which
 llama.cpp does not have. Measured on Qwen2.5-Coder-1.5B Q4_K_M against the dequantized
 float32 model (the 96 tokens of the real-model test, gguf-native, every row int8):
@@ -51,12 +53,13 @@ logger = logging.getLogger(__name__)
 C_KERNEL_TYPES = frozenset({"Q5_0", "Q5_K", "Q6_K", "Q8_0"})
 C_FALLBACK_TYPES = frozenset({"Q4_K"})  # also in gguf_matmul, used when int4 is inexact
 MAX_ROWS = 16  # gguf_matmul takes at most 16 rows of x a call
-Q8K_TYPES = frozenset({"Q4_K", "Q6_K"})  # gguf_matmul_x16
+X16_TYPES = frozenset({"Q4_K", "Q6_K", "Q8_0", "Q5_0"})  # gguf_matmul_x16
 
 
 def q8k_enabled(dtype: torch.dtype) -> bool:
-    """True where Q4_K / Q6_K run in ``gguf_matmul_x16`` (int8 activations): bfloat16
-    activations and C kernels with AVX512-VNNI, unless ``LLMSERVE_Q8K_DOT=0``."""
+    """True where Q4_K / Q6_K / Q8_0 / Q5_0 run in ``gguf_matmul_x16`` (int8
+    activations): bfloat16 activations and C kernels with AVX512-VNNI, unless
+    ``LLMSERVE_Q8K_DOT=0``."""
     if dtype != torch.bfloat16 or os.environ.get("LLMSERVE_Q8K_DOT", "1").strip().lower() in \
             ("0", "false", "no", "off"):
         return False
@@ -130,7 +133,7 @@ class FusedNativeWeight:
 
 
 def _kernel_of(qtype: str, c_kernels: bool, q8k: bool = False) -> str | None:
-    if q8k and qtype in Q8K_TYPES:
+    if q8k and qtype in X16_TYPES:
         return "q8k"
     if c_kernels and qtype in C_KERNEL_TYPES:
         return "c"
