@@ -97,6 +97,37 @@ def test_draft_model_greedy_identical_with_preemption(llm_fp32, reference):
     assert not proposer.valid and not proposer.probs  # per-request draft state dropped
 
 
+def test_draft_catch_up_runs_as_decodes(llm_fp32, reference, monkeypatch):
+    """The draft's forward on the few tokens the target just accepted (at most
+    CATCH_UP_AS_DECODE a row) runs as one-token decodes, so it takes the decode path's
+    packed kernels, not the prompt path (gguf-hybrid's dense copy); only a prompt's
+    catch-up stays a prefill row. Outputs stay the target's greedy tokens."""
+    from llmserve.spec_decode import draft_model
+
+    calls, expanded = [], []
+    real_meta, real_expand = draft_model.CommonAttentionMetadata, draft_model.per_token_metadata
+
+    def meta(**kw):
+        calls.append((kw["num_decodes"], list(kw["query_lens"])))
+        return real_meta(**kw)
+
+    def expand(query_lens, *a):
+        expanded.append(list(query_lens))
+        return real_expand(query_lens, *a)
+
+    monkeypatch.setattr(draft_model, "CommonAttentionMetadata", meta)
+    monkeypatch.setattr(draft_model, "per_token_metadata", expand)
+    llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
+                                  "num_speculative_tokens": 3}, draft=True)
+    outs = llm.generate(PROMPTS + PROMPTS[:1], _params() + _params()[:1], use_tqdm=False)
+    assert _summary(outs) == reference
+    assert any(max(q) > 1 for q in expanded)  # multi-token catch-ups were expanded
+    for num_decodes, qlens in calls:
+        assert qlens[:num_decodes] == [1] * num_decodes
+        assert all(q > draft_model.CATCH_UP_AS_DECODE for q in qlens[num_decodes:]), qlens
+    _all_free(llm)
+
+
 def test_seeded_sampling_same_alone_or_batched_and_aborts_free_blocks(llm_fp32):
     llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
                                   "num_speculative_tokens": 3}, draft=True)

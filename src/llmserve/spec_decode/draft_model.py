@@ -35,11 +35,13 @@ import numpy as np
 import torch
 
 from llmserve.layers.attention import CommonAttentionMetadata
+from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import build_sampling_metadata, random_sample
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.spec_decode.rejection_sampler import target_probs
 
 logger = logging.getLogger(__name__)
+CATCH_UP_AS_DECODE = 8  # a draft row of at most this many tokens runs as one-token decodes
 
 
 def load_draft_model(config, tokenizer) -> torch.nn.Module:
@@ -222,7 +224,10 @@ class DraftModelProposer(Proposer):
         """One batched draft forward. ``inputs``: (state, positions, token ids) per request.
         Returns the sampled token and its ``q`` row (None for greedy) per request."""
         bs = self.block_size
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i][1]) != 1)
+        # short rows (a decode, or a catch-up on the few tokens the target accepted) first:
+        # they run as one-token decodes through the decode path's packed kernels, not
+        # the prompt path (gguf-hybrid's dense copy: 100 ms a catch-up on the 0.5B)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i][1]) > CATCH_UP_AS_DECODE)
         ids, pos_all, slots, qlens, seq_lens = [], [], [], [], []
         max_blocks = max(len(inputs[i][0].block_ids) for i in order)
         block_table = np.zeros((len(order), max_blocks), dtype=np.int64)
@@ -238,15 +243,25 @@ class DraftModelProposer(Proposer):
             seq_lens.append(int(pos[-1]) + 1)
         qsl = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
+        short = sum(1 for q in qlens if q <= CATCH_UP_AS_DECODE)
+        num_decodes = int(qsl[short])
+        mqlens, mseq = qlens, seq_lens
+        if num_decodes > short:  # the short rows as one-token decodes, one per token
+            ql, sl, table = per_token_metadata(qlens[:short],
+                                               np.concatenate(pos_all[:short]),
+                                               block_table[:short])
+            mqlens, mseq = ql + qlens[short:], sl + seq_lens[short:]
+            block_table = np.concatenate([table, block_table[short:]])
+        mqsl = np.zeros(len(mqlens) + 1, dtype=np.int64)
+        np.cumsum(mqlens, out=mqsl[1:])
         dev = self.device
         common = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            query_start_loc=torch.from_numpy(mqsl).to(dev),
+            seq_lens=torch.tensor(mseq, dtype=torch.long, device=dev),
             block_table=torch.from_numpy(block_table).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_lens=qlens, seq_lens_list=seq_lens,
-            num_decodes=sum(1 for q in qlens if q == 1),
-            max_query_len=max(qlens), max_seq_len=max(seq_lens), block_size=bs,
+            query_lens=mqlens, seq_lens_list=mseq, num_decodes=num_decodes,
+            max_query_len=max(mqlens), max_seq_len=max(mseq), block_size=bs,
             sliding_window=self.sliding_window)
         attn_metadata = self.model.attn_backend_cls.build_metadata(common)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
