@@ -101,7 +101,8 @@ def test_draft_catch_up_runs_as_decodes(llm_fp32, reference, monkeypatch):
     """The draft's forward on the few tokens the target just accepted (at most
     CATCH_UP_AS_DECODE a row) runs as one-token decodes, so it takes the decode path's
     packed kernels, not the prompt path (gguf-hybrid's dense copy); only a prompt's
-    catch-up stays a prefill row. Outputs stay the target's greedy tokens."""
+    catch-up stays a prefill row, and its time is kept out of the adaptive policy's
+    draft cost. Outputs stay the target's greedy tokens."""
     from llmserve.spec_decode import draft_model
 
     calls, expanded = [], []
@@ -119,9 +120,26 @@ def test_draft_catch_up_runs_as_decodes(llm_fp32, reference, monkeypatch):
     monkeypatch.setattr(draft_model, "per_token_metadata", expand)
     llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
                                   "num_speculative_tokens": 3}, draft=True)
+    spec = llm.engine.runner.spec_decoder
+    proposals, observed = [], []  # a prompt's catch-up is not a draft position's cost
+    real_propose, real_observe = spec.proposer.propose, spec.policy.cost_model.observe_draft
+
+    def propose(*a):
+        out = real_propose(*a)
+        proposals.append(spec.proposer.last_propose_prefilled)
+        return out
+
+    def observe_draft(*a):
+        observed.append(proposals[-1])
+        return real_observe(*a)
+
+    monkeypatch.setattr(spec.proposer, "propose", propose)
+    monkeypatch.setattr(spec.policy.cost_model, "observe_draft", observe_draft)
     outs = llm.generate(PROMPTS + PROMPTS[:1], _params() + _params()[:1], use_tqdm=False)
     assert _summary(outs) == reference
     assert any(max(q) > 1 for q in expanded)  # multi-token catch-ups were expanded
+    assert any(proposals) and observed and not any(observed)
+    assert len(observed) == proposals.count(False)
     for num_decodes, qlens in calls:
         assert qlens[:num_decodes] == [1] * num_decodes
         assert all(q > draft_model.CATCH_UP_AS_DECODE for q in qlens[num_decodes:]), qlens

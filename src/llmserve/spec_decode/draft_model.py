@@ -192,6 +192,8 @@ class DraftModelProposer(Proposer):
             start = min(valid + common, n - 1)
             jobs.append((state, k, start))
         drafts: dict[str, list[int]] = {}
+        self.last_propose_prefilled = any(len(s.token_ids) - start > CATCH_UP_AS_DECODE
+                                          for s, _, start in jobs)
         if not jobs:
             return [[] for _ in states]
         # step 1: catch up on every token without draft KV, sample d_1 at the last

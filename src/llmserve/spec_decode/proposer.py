@@ -33,6 +33,9 @@ class Proposer(ABC):
 
     needs_draft_probs: bool = False
     num_lookahead_tokens: int = 0
+    # True after a ``propose`` that also caught up on a prompt (a draft model's prefill):
+    # its time is not a draft position's cost (the adaptive policy's fit skips it)
+    last_propose_prefilled: bool = False
 
     def begin_step(self, runner: ModelRunner, sched: SchedulerOutput) -> None:
         """Called once per step after the runner updated its request states, before

@@ -154,7 +154,8 @@ class SpecDecoder:
             return
         t0 = time.perf_counter()
         drafts = self.proposer.propose(states, ks)
-        self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0)
+        if not self.proposer.last_propose_prefilled:  # a prompt's catch-up is no draft cost
+            self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0)
         for state, d in zip(states, drafts):
             if d:
                 out.spec_token_ids[state.req_id] = list(d)
