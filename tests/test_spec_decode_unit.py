@@ -337,6 +337,15 @@ def test_adaptive_policy_uses_measured_step_costs():
     for _ in range(20):
         same_rows.observe_step(3, 0.1)
     assert same_rows.coefficients() is None  # b cannot be told from a
+    # batches of 3-4 have a fit of their own: rows cost more there (compute bound)
+    assert model.coefficients(4) is None and model.relative_cost(4) is None
+    for i in range(20):  # t = 0.060 + 0.030 * rows, rows 4..20
+        rows = 4 * (1 + i % 5)
+        model.observe_step(rows, 0.060 + 0.030 * rows, batch_size=4)
+        model.observe_draft(1, 0.010, batch_size=3)
+    assert model.coefficients(3) == pytest.approx((0.060, 0.030))
+    assert model.relative_cost(4) == pytest.approx((0.12 + 0.01) / 0.18)
+    assert model.coefficients(1) == pytest.approx((0.040, 0.020))  # batch 1 unchanged
 
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                               draft_length_policy="adaptive"))

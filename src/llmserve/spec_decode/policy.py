@@ -12,8 +12,8 @@ with the batch, since a large batch is compute bound::
     k = max { j <= k_max : alpha ** j >= cost(B) }     (0: no speculation)
 
 Those two costs are measured, not assumed, once the engine has seen enough steps
-(:class:`StepCostModel`): decode-only verification steps give a least-squares fit of
-step time ``t = a + b * rows`` (``b``: one more verified row, which on a CPU whose
+(:class:`StepCostModel`, one fit per batch-size bucket): decode-only verification steps
+give a least-squares fit of step time ``t = a + b * rows`` (``b``: one more verified row, which on a CPU whose
 packed int4 kernel costs ~2x at 4 rows what it costs at 1 is far from free), and the
 proposer's time per draft position gives ``t_draft``. Then, per request at batch ``B``::
 
@@ -40,53 +40,69 @@ DRAFT_COST = {"ngram": 0.1, "draft_model": 0.25}
 COMPUTE_BOUND_BATCH = 48
 
 
+class _Fit:
+    """Exponentially weighted least squares of ``t = a + b * rows``, and the mean time of
+    one draft position, for the steps of one batch-size bucket."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.num_steps = 0
+        self.draft_s: float | None = None
+
+
 class StepCostModel:
     """Online fit of a verification step's time, ``t = a + b * rows`` (seconds), by
     exponentially weighted least squares over decode-only steps, and the mean time of
-    one draft position (a draft-model forward; ~0 for n-gram lookup).
+    one draft position (a draft-model forward; ~0 for n-gram lookup); one fit per
+    batch-size bucket (1, 2, 3-4, 5-8, ...): what one more row costs grows with the rows
+    a step already has (the int8 kernels are bandwidth bound up to a few rows, compute
+    bound beyond), so a fit made on batch-1 steps underrates a batch of 4.
 
-    :meth:`coefficients` is None until the observed row counts vary enough to fit
-    ``b`` (weighted variance of rows >= ``MIN_ROWS_VAR``) over ``MIN_STEPS`` steps."""
+    :meth:`coefficients` is None until the bucket's row counts vary enough to fit ``b``
+    (weighted variance of rows >= ``MIN_ROWS_VAR``) over ``MIN_STEPS`` steps."""
 
     DECAY = 0.97
     MIN_STEPS = 8
     MIN_ROWS_VAR = 0.2
 
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self.num_steps = 0
-        self.draft_s: float | None = None  # seconds per draft position
+        self._fits: dict[int, _Fit] = {}
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        d = self.DECAY
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + rows, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
-        self.num_steps += 1
+    def _fit(self, batch_size: int) -> _Fit:
+        return self._fits.setdefault((max(batch_size, 1) - 1).bit_length(), _Fit())
 
-    def observe_draft(self, positions: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, batch_size: int = 1) -> None:
+        f, d = self._fit(batch_size), self.DECAY
+        f.w, f.x, f.y = d * f.w + 1, d * f.x + rows, d * f.y + seconds
+        f.xx, f.xy = d * f.xx + rows * rows, d * f.xy + rows * seconds
+        f.num_steps += 1
+
+    def observe_draft(self, positions: int, seconds: float, batch_size: int = 1) -> None:
         if positions > 0:
-            per = seconds / positions
-            self.draft_s = per if self.draft_s is None else 0.8 * self.draft_s + 0.2 * per
+            f, per = self._fit(batch_size), seconds / positions
+            f.draft_s = per if f.draft_s is None else 0.8 * f.draft_s + 0.2 * per
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """``(a, b)`` in seconds, or None while the fit is not determined."""
-        if self.num_steps < self.MIN_STEPS:
+    def coefficients(self, batch_size: int = 1) -> tuple[float, float] | None:
+        """``(a, b)`` in seconds for steps of ``batch_size`` requests, or None while the
+        fit is not determined."""
+        f = self._fit(batch_size)
+        if f.num_steps < self.MIN_STEPS:
             return None
-        var = self._xx / self._w - (self._x / self._w) ** 2
+        var = f.xx / f.w - (f.x / f.w) ** 2
         if var < self.MIN_ROWS_VAR:
             return None
-        b = (self._xy / self._w - self._x * self._y / self._w ** 2) / var
+        b = (f.xy / f.w - f.x * f.y / f.w ** 2) / var
         b = max(b, 0.0)
-        a = max(self._y / self._w - b * self._x / self._w, 1e-6)
+        a = max(f.y / f.w - b * f.x / f.w, 1e-6)
         return a, b
 
     def relative_cost(self, batch_size: int) -> float | None:
-        """One more draft for one request, over one plain decode step at ``batch_size``."""
-        fit = self.coefficients()
-        if fit is None or self.draft_s is None:
+        """One more draft for every request, over one plain decode step at ``batch_size``."""
+        fit, draft_s = self.coefficients(batch_size), self._fit(batch_size).draft_s
+        if fit is None or draft_s is None:
             return None
         a, b = fit
-        return (b * batch_size + self.draft_s) / (a + b * batch_size)
+        return (b * batch_size + draft_s) / (a + b * batch_size)
 
 
 class DraftLengthPolicy:

@@ -90,7 +90,8 @@ class SpecDecoder:
                 self.policy.observe(state.req_id, k, len(tokens) - 1)
         if common.num_decodes == sched.total_num_scheduled_tokens:  # decode rows only:
             # the step's time to here (inputs, forward, sampling), by its rows
-            self.policy.cost_model.observe_step(len(input_ids), time.perf_counter() - t0)
+            self.policy.cost_model.observe_step(len(input_ids), time.perf_counter() - t0,
+                                                len(sched.num_scheduled_tokens))
         self._propose(runner, states, emitted, len(sched.num_scheduled_tokens), out)
         return out
 
@@ -155,7 +156,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(states, ks)
         if not self.proposer.last_propose_prefilled:  # a prompt's catch-up is no draft cost
-            self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0)
+            self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0, batch_size)
         for state, d in zip(states, drafts):
             if d:
                 out.spec_token_ids[state.req_id] = list(d)
