@@ -15,8 +15,8 @@ Which kernel runs a GGUF tensor (``--quantization gguf-native`` / ``gguf-hybrid`
 ``gguf_matmul_x16`` is llama.cpp's CPU scheme (``ggml_vec_dot_q4_K_q8_K`` /
 ``q6_K_q8_K``; ``q8_0_q8_0`` / ``q5_0_q8_0``): each row of x quantized to int8 per 256
 values (Q8_K; per 32 for Q8_0 / Q5_0 weights), integer dot products with the codes,
-exact per block; plus a second Q8_K pass for rows
-with massive activations (a block whose max |x| exceeds 32x its mean |x|), which
+exact per block; plus a second pass for rows with
+massive activations (a 256-value span whose max |x| exceeds 32x its mean |x|), which
 llama.cpp does not have. Measured on Qwen2.5-Coder-1.5B Q4_K_M against the dequantized
 float32 model (the 96 tokens of the real-model test, gguf-native, every row int8):
 max |logit diff| 0.91, mean 0.056, perplexity -0.28%; the bfloat16-activation kernels
@@ -69,9 +69,9 @@ def q8k_enabled(dtype: torch.dtype) -> bool:
 
 class GGUFBlockWeight:
     """One GGUF weight ``[N, K]``: its file bytes (uint8 ``[N, bytes per row]``) for the
-    C kernel ``gguf_matmul``, or, when ``int8_activations`` (Q4_K / Q6_K), those bytes
-    repacked into x16 tiles (``[ceil(N / 16), K / 256 * tile bytes]``) for
-    ``gguf_matmul_x16``."""
+    C kernel ``gguf_matmul``, or, when ``int8_activations`` (Q4_K / Q6_K / Q8_0 / Q5_0),
+    those bytes repacked into x16 tiles (``[ceil(N / 16), K / weights a block * tile
+    bytes]``) for ``gguf_matmul_x16``."""
 
     def __init__(self, qtype: str, blocks: torch.Tensor, in_features: int,
                  dtype: torch.dtype, int8_activations: bool = False) -> None:
