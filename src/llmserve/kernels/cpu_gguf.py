@@ -27,13 +27,24 @@ def _gguf_call_args(what: str, layout: tuple[int, int, int] | None, qtype: str,
             not blocks.is_contiguous() or not 1 <= num_rows <= 16 or not blocks.is_cpu:
         raise ValueError(f"{what}: {qtype} x {tuple(x.shape)}, blocks "
                          f"{tuple(blocks.shape)} {blocks.dtype}")
+    return (layout, *_code_and_out(what, x, out, n))
+
+
+def _code_and_out(what: str, x: torch.Tensor, out: torch.Tensor | None, n: int):
+    """``(dtype code, out)``: ``out`` checked as ``[M, n]`` with contiguous rows in ``x``'s
+    dtype, or allocated when None.
+
+    Raises:
+        ValueError: ``out``'s shape, strides or dtype.
+    """
+    num_rows = x.shape[0]
     code = _code(x) if out is None else _code(x, out)
     if out is None:
         out = x.new_empty((num_rows, n))
     elif out.shape != (num_rows, n) or out.stride(1) != 1:
         raise ValueError(f"{what}: out {tuple(out.shape)} strides {out.stride()}, "
                          f"expected [{num_rows}, {n}] with contiguous rows")
-    return layout, code, out
+    return code, out
 
 
 class GgufMatmulKernels:
@@ -159,12 +170,7 @@ class GgufMatmulKernels:
                 not tiles.is_contiguous() or not 1 <= num_rows <= 16 or not tiles.is_cpu:
             raise ValueError(f"gguf_matmul_x16: {qtype} x {tuple(x.shape)}, tiles "
                              f"{tuple(tiles.shape)} {tiles.dtype} for {n} rows")
-        code = _code(x) if out is None else _code(x, out)
-        if out is None:
-            out = x.new_empty((num_rows, n))
-        elif out.shape != (num_rows, n) or out.stride(1) != 1:
-            raise ValueError(f"gguf_matmul_x16: out {tuple(out.shape)} strides {out.stride()}, "
-                             f"expected [{num_rows}, {n}] with contiguous rows")
+        code, out = _code_and_out("gguf_matmul_x16", x, out, n)
         status = self._gguf_matmul_x16(GGUF_MATMUL_TYPES[qtype][0], code, out.data_ptr(),
                                        out.stride(0), x.data_ptr(), x.stride(0),
                                        tiles.data_ptr(), num_rows, n, k, num_threads)

@@ -272,6 +272,17 @@ static int x16_needs_second_pass(int dtype, const void *x, int64_t K) {
     return 0;
 }
 
+/* out[m, 16 gi ..] = the group's y rows (y row m at y + 16 m), plus each row's second
+ * pass (row second[m] of y, when >= 0); rows past N are not stored */
+static inline void x16_store_group(int dtype, void *out, int64_t out_stride, const float *y,
+                                   const int64_t *second, int64_t M, int64_t N, int64_t gi) {
+    const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = 0; r < nr; r++)
+            store(dtype, out, m * out_stride + gi * 16 + r,
+                  second[m] < 0 ? y[16 * m + r] : y[16 * m + r] + y[16 * second[m] + r]);
+}
+
 static inline q8k_act q8k_act_row(q8k_act a, int64_t row, int64_t K) {
     q8k_act r = {a.q + row * K, a.d + row * (K / 256), a.bsum16 + row * (K / 16),
                  a.bsum32 + row * (K / 32)};
@@ -332,11 +343,7 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
             x16_rows(GGML_Q4_K, tiles, a, bs32, rows, K, y);
         else
             x16_rows(GGML_Q6_K, tiles, a, bs32, rows, K, y);
-        const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t r = 0; r < nr; r++)
-                store(dtype, out, m * out_stride + gi * 16 + r,
-                      second[m] < 0 ? y[16 * m + r] : y[16 * m + r] + y[16 * second[m] + r]);
+        x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
     free(buf);
     return 0;
@@ -383,11 +390,7 @@ static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, c
     for (int64_t gi = 0; gi < groups; gi++) {
         float y[32 * 16];
         x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, rows, K, y);
-        const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t r = 0; r < nr; r++)
-                store(dtype, out, m * out_stride + gi * 16 + r,
-                      second[m] < 0 ? y[16 * m + r] : y[16 * m + r] + y[16 * second[m] + r]);
+        x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
     free(buf);
     return 0;
