@@ -17,6 +17,7 @@ from llmserve.engine.kv_store_io import build_kv_store, write_new_blocks
 from llmserve.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind
 from llmserve.engine.request_checks import check_params_for_engine
 from llmserve.kv_cache import KVCacheManager
+from llmserve.kv_cache.window_blocks import WindowBlocks
 from llmserve.loader import (
     load_model_config,
     resolve_model,
@@ -32,6 +33,7 @@ from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
 from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
+from llmserve.worker.window_kv import resolve_window_kv
 
 logger = logging.getLogger("llmserve")
 
@@ -67,11 +69,22 @@ class LLMEngine:
             self.kv_bytes_per_token = stage_kv_bytes_per_token(self.kv_bytes_per_token, mc, model)
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
+        # a mixed model's local layers in a window pool (kv_cache/window_blocks.py)
+        self.window_kv, why_not, paged_bytes, window_bytes = resolve_window_kv(config)
+        kv_memory = cc.kv_cache_memory
+        if self.window_kv is not None:
+            self.kv_bytes_per_token = paged_bytes
+            kv_memory -= window_bytes
+            logger.info("local layers (window %d) keep their KV in a window pool: %d blocks "
+                        "(%s); the global layers' %d B/token go to the paged pool",
+                        self.window_kv.window, self.window_kv.num_blocks,
+                        format_size(window_bytes), self.kv_bytes_per_token)
+        elif why_not:
+            logger.info("local layers keep every block: %s", why_not)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
-            num_blocks = num_kv_cache_blocks(cc.kv_cache_memory, cc.block_size,
-                                             self.kv_bytes_per_token)
+            num_blocks = num_kv_cache_blocks(kv_memory, cc.block_size, self.kv_bytes_per_token)
         self.num_blocks = num_blocks
         max_len = config.scheduler_config.max_model_len
         capacity = (num_blocks - 1) * cc.block_size
@@ -121,7 +134,10 @@ class LLMEngine:
         self._spec_logged_at = time.monotonic()
         self.kv_store = build_kv_store(config)  # the shared KV store (--kv-store), or None
         kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                    kv_store=self.kv_store)
+                                    kv_store=self.kv_store, window_blocks=None if
+                                    self.window_kv is None else WindowBlocks(
+                                        self.window_kv.num_blocks, cc.block_size,
+                                        self.window_kv.window))
         self.scheduler = Scheduler(
             config.scheduler_config, kv_manager,
             num_host_blocks, num_lookahead_tokens=(

@@ -42,10 +42,12 @@ class KVCacheManager:
         kv_store: a shared KV store (``kv_store.RedisKVStore``; needs ``enable_caching``):
             local misses are looked up there (:meth:`get_store_hits`), and newly
             cached blocks are listed for writing (:meth:`pop_newly_cached`).
+        window_blocks: the window pool of a mixed model's local layers
+            (``window_blocks.WindowBlocks``), or None: one pool holds every layer.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 kv_store=None) -> None:
+                 kv_store=None, window_blocks=None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -64,6 +66,7 @@ class KVCacheManager:
         # blocks, all before the first kept one's end: eviction/base.py); its block table
         # holds the kept blocks only, and its later blocks are never cached
         self.num_evicted_tokens: dict[str, int] = {}
+        self.window_blocks = window_blocks
 
     @property
     def num_usable_blocks(self) -> int:
@@ -177,8 +180,21 @@ class KVCacheManager:
         Returns:
             The copy-on-write pairs ``[(src_block, dst_block)]`` the runner must
             copy before the forward pass (usually empty), or None when the pool
-            has too few free blocks, in which case nothing changes.
+            (or the window pool) has too few free blocks, in which case nothing changes.
         """
+        window = self.window_blocks
+        if window is not None and not window.can_allocate(request_id, num_computed_tokens,
+                                                          num_new_tokens):
+            return None
+        copies = self._allocate_full(request_id, num_computed_tokens, num_new_tokens,
+                                     new_computed_blocks)
+        if copies is not None and window is not None:
+            window.allocate(request_id, num_computed_tokens, num_new_tokens)
+        return copies
+
+    def _allocate_full(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None,
+                       ) -> list[tuple[int, int]] | None:
         blocks = self.req_to_blocks.get(request_id, [])
         computed = list(new_computed_blocks or ())
         num_computed_tokens -= self.num_evicted_tokens.get(request_id, 0)  # kept-block index
@@ -217,6 +233,8 @@ class KVCacheManager:
         request (reference counts up; copy-on-write happens on the next write)."""
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already owns blocks")
+        if self.window_blocks is not None:
+            raise ValueError("fork: a window pool (window_blocks.py) shares no blocks")
         evicted = self.num_evicted_tokens.get(parent_id, 0)
         shared = self.req_to_blocks[parent_id][:self.num_blocks_needed(num_tokens - evicted)]
         self.block_pool.touch(shared)
@@ -242,6 +260,8 @@ class KVCacheManager:
         self.store_loaded.pop(request_id, None)
         if self._store_prefetch is not None and self._store_prefetch[0] == request_id:
             self._store_prefetch = None
+        if self.window_blocks is not None:
+            self.window_blocks.free(request_id)
         if blocks:
             self.block_pool.free_blocks(list(reversed(blocks)))
 
@@ -289,6 +309,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of ``request_id`` (a fresh list of block ids)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_window_blocks(self, request_id: str) -> tuple[int, list[int]] | None:
+        """``(first logical block, block ids)`` of the window-pool table of
+        ``request_id``, or None without a window pool."""
+        return None if self.window_blocks is None else self.window_blocks.get(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

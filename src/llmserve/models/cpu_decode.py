@@ -68,6 +68,9 @@ class CpuDecodeStep:
         if kernels is None or getattr(md, "num_prefills", 1) != 0 or \
                 getattr(md, "decode_block_table", None) is None:
             return None
+        common = md.step_common() if hasattr(md, "step_common") else md
+        if getattr(common, "window_layout", None) is not None:  # two block tables
+            return None
         scores = None
         if getattr(md, "block_scores", None) is not None:  # KV eviction: scored decodes
             scores = _decode_score_arrays(md)

@@ -8,10 +8,9 @@ Two sources, both freeing whole blocks back to the pool at once
   ``num_computed_tokens``, so every block ending at or before
   ``num_computed_tokens - W`` is never read again and is freed. A sequence then holds
   at most ``ceil((W + chunk) / block_size) + 1`` blocks, whatever its length.
-  Mixed models (Gemma 3's local and global layers) free nothing: a block of our pool
-  holds a token for *every* layer, and a global layer still reads it, so freeing local
-  layers' K/V alone needs per-layer-group block tables (vLLM's hybrid KV cache manager)
-  that this pool does not have.
+  Mixed models (Gemma 3's local and global layers) keep their local layers' KV in a
+  second pool whose blocks slide out instead (``kv_cache/window_blocks.py``,
+  :func:`window_kv_for`); the limiter frees nothing for them.
 * **An eviction policy** (``kv_cache/eviction``): a budget of blocks per sequence;
   the policy picks which kept blocks go.
 
@@ -26,6 +25,7 @@ import logging
 from llmserve.config import EngineConfig
 from llmserve.kv_cache import KVCacheManager
 from llmserve.kv_cache.eviction import EvictionState, make_eviction_state
+from llmserve.kv_cache.window_blocks import WindowKVLayout, window_kv_layout
 from llmserve.utils import cdiv
 
 logger = logging.getLogger("llmserve")
@@ -73,6 +73,10 @@ class KVLimiter:
         sinks = getattr(params, "num_sink_tokens", None)
         if self.sliding_window is not None and policy not in (None, "none"):
             raise ValueError("kv_eviction_policy needs a model without a sliding window")
+        if self.kv.window_blocks is not None and policy not in (None, "none"):
+            raise ValueError("kv_eviction_policy needs one KV pool; this engine keeps its "
+                             "local layers' KV in a window pool (enable prefix caching "
+                             "to keep one pool)")
         return make_eviction_state(self.policy if policy is None else policy,
                                    self.budget_tokens if budget is None else budget,
                                    self.num_sink_tokens if sinks is None else sinks,
@@ -158,3 +162,22 @@ def kv_limiter_for(config: EngineConfig, kv_manager: KVCacheManager) -> KVLimite
                     f"sliding window {window}" if window else
                     f"{cc.kv_eviction_policy}, budget {cc.kv_budget_tokens} tokens")
     return limiter
+
+
+def window_kv_for(config: EngineConfig) -> tuple[WindowKVLayout | None, str]:
+    """The two-pool layout of a mixed model (``kv_cache/window_blocks.py``), or
+    ``(None, why not)``: every layer alike, or a feature that needs every layer's blocks
+    (prefix caching, swap preemption, KV eviction, speculative decoding, a shared KV
+    store, pipeline stages)."""
+    cc, mc, sc = config.cache_config, config.model_config, config.scheduler_config
+    conflicts = [name for name, on in (
+        ("prefix caching", cc.enable_prefix_caching),
+        ("swap preemption", sc.preemption_mode == "swap"),
+        ("KV eviction", cc.kv_eviction_policy != "none"),
+        ("speculative decoding", config.speculative_config is not None),
+        ("a shared KV store", getattr(cc, "kv_store", None) is not None),
+        ("pipeline parallelism", config.parallel_config.pipeline_parallel_size > 1),
+    ) if on]
+    return window_kv_layout([mc.layer_sliding_window(i) for i in range(mc.num_hidden_layers)],
+                            cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens,
+                            conflicts)

@@ -22,6 +22,9 @@ class NewRequestData:
     # tokens whose blocks were evicted or slid out (whole blocks before the kept ones):
     # position p lives in block_ids[(p - num_evicted_tokens) // block_size]
     num_evicted_tokens: int = 0
+    # a mixed model's local layers (kv_cache/window_blocks.py): (first logical block,
+    # window-pool block ids); position p lives in ids[p // block_size - first]
+    window_blocks: tuple[int, list[int]] | None = None
 
 
 @dataclass
@@ -37,6 +40,7 @@ class CachedRequestData:
     num_computed_tokens: int
     resumed_from_preemption: bool = False
     num_evicted_tokens: int = 0  # as NewRequestData's
+    window_blocks: tuple[int, list[int]] | None = None  # as NewRequestData's
 
 
 @dataclass

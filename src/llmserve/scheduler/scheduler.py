@@ -150,6 +150,8 @@ class Scheduler(SchedulerUpdateMixin):
                             if self.kv_limits is not None else None)
         self.requests[request.request_id] = request
         leader = self.requests.get(request.fork_from) if request.fork_from else None
+        if self.kv_cache_manager.window_blocks is not None:  # no shared blocks: no forks
+            leader = None
         if leader is not None and not leader.is_finished():
             self.pending_forks.setdefault(leader.request_id, []).append(request)
         else:
@@ -331,12 +333,14 @@ class Scheduler(SchedulerUpdateMixin):
                 out.scheduled_new_reqs.append(NewRequestData(
                     req.request_id, list(req.all_token_ids), req.sampling_params, block_ids,
                     req.num_computed_tokens, req.lora_request,
-                    kv.num_evicted_tokens.get(req.request_id, 0)))
+                    kv.num_evicted_tokens.get(req.request_id, 0),
+                    kv.get_window_blocks(req.request_id)))
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req.request_id, block_ids, req.num_computed_tokens,
                     resumed_from_preemption=req.request_id in admitted,
-                    num_evicted_tokens=kv.num_evicted_tokens.get(req.request_id, 0)))
+                    num_evicted_tokens=kv.num_evicted_tokens.get(req.request_id, 0),
+                    window_blocks=kv.get_window_blocks(req.request_id)))
             out.num_scheduled_tokens[req.request_id] = num_new
             if req.eviction is not None:
                 first = KVLimiter.score_from(req, num_new)

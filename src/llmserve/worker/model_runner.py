@@ -32,6 +32,7 @@ from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.structured_output import allocate_bitmask
 from llmserve.worker.kv_transfer import fill_blocks
 from llmserve.worker.prompt_logprobs import collect_prompt_logprobs, wants_prompt_logprobs
+from llmserve.worker.window_kv import resolve_window_kv, window_layout, window_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class CachedRequestState:
     # KV eviction / sliding window: tokens whose blocks left the table (whole blocks
     # before the kept ones); position p lives in block_ids[(p - this) // block_size]
     num_evicted_tokens: int = 0
+    # a mixed model's local layers: (first logical block, window-pool ids), or None
+    window_blocks: tuple[int, list[int]] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -110,10 +113,19 @@ class ModelRunner:
         # split keeps the CPU layers' KV in host memory)
         num_layers = getattr(model, "num_layers", mc.num_hidden_layers)
         layer_devices = getattr(model, "layer_devices", None) or [self.device] * num_layers
+        # a mixed model's local layers: [window pool blocks, ...] (worker/window_kv.py)
+        self.window_kv = resolve_window_kv(config)[0]
+        self.window_layers = set(self.window_kv.layers) if self.window_kv else set()
+        window_shapes = kv_cache_shapes(
+            getattr(config, "kv_cache_dtype", config.dtype), self.dtype, key_quant,
+            self.window_kv.num_blocks, self.block_size,
+            getattr(model, "num_kv_heads", mc.num_key_value_heads),
+            mc.head_dim)[1:] if self.window_kv else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(key_shape, dtype=self.kv_cache_dtype, device=dev),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev))
-            for dev in layer_devices
+            (torch.zeros(ks, dtype=self.kv_cache_dtype, device=dev),
+             torch.zeros(vs, dtype=self.kv_cache_dtype, device=dev))
+            for i, dev in enumerate(layer_devices)
+            for ks, vs in [window_shapes if i in self.window_layers else (key_shape, shape)]
         ]
         # the host pool for swap preemption, same layout; block 0 unused
         pin = self.device.type == "cuda"
@@ -156,6 +168,8 @@ class ModelRunner:
         src_idx = torch.tensor(srcs, dtype=torch.long, device=src_dev)
         dst_idx = torch.tensor(dsts, dtype=torch.long, device=dst_dev)
         for layer, (kc, vc) in enumerate(self.kv_caches):
+            if layer in self.window_layers:  # the window pool shares no blocks
+                continue
             if kind == "copy":
                 src_pair, dst_pair = (kc, vc), (kc, vc)
             elif kind == "swap_out":
@@ -185,6 +199,7 @@ class ModelRunner:
                 [] if sp.prompt_logprobs is not None else None,
                 lora_request=getattr(new, "lora_request", None))
             self.requests[new.req_id].num_evicted_tokens = new.num_evicted_tokens
+            self.requests[new.req_id].window_blocks = getattr(new, "window_blocks", None)
             so = sp.structured_outputs
             if so is not None:  # compiled by the engine when the request was added
                 self.requests[new.req_id].grammar = so.compiled.new_matcher()
@@ -193,6 +208,7 @@ class ModelRunner:
             state.block_ids = list(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.num_evicted_tokens = cached.num_evicted_tokens
+            state.window_blocks = getattr(cached, "window_blocks", None)
 
     def drop_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -242,6 +258,9 @@ class ModelRunner:
         pos_np = np.concatenate(pos_parts)
         positions = torch.from_numpy(pos_np)
         cpos_np = np.concatenate(cpos_parts)  # positions in the kept blocks
+        window = None  # a mixed model's local layers: their table and slots (window_kv.py)
+        if self.window_kv is not None:
+            window = window_rows(states, pos_parts, max_blocks, bs)
         if getattr(self.config, "deterministic", False):  # each token a one-token decode
             num_decode_seqs = len(query_lens)
         num_decodes = sum(query_lens[:num_decode_seqs])
@@ -249,6 +268,10 @@ class ModelRunner:
             ql, sl, table = per_token_metadata(query_lens[:num_decode_seqs],
                                                cpos_np[:num_decodes],
                                                block_table[:num_decode_seqs])
+            if window is not None:
+                wtable = per_token_metadata(query_lens[:num_decode_seqs], cpos_np[:num_decodes],
+                                            window[0][:num_decode_seqs])[2]
+                window = (np.concatenate([wtable, window[0][num_decode_seqs:]]), window[1])
             query_lens = ql + query_lens[num_decode_seqs:]
             seq_lens = sl + seq_lens[num_decode_seqs:]
             block_table = np.concatenate([table, block_table[num_decode_seqs:]])
@@ -266,6 +289,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
             sliding_window=self.sliding_window,
+            window_layout=None if window is None else window_layout(
+                self.window_kv.window, *window, self.device),
         )
         self._scored = self._block_score_requests(sched, states, common)
         return (input_ids.to(self.device), positions.to(self.device), common,

@@ -8,6 +8,7 @@ every attention layer of the model then receives as an argument (no global
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -16,6 +17,17 @@ import torch
 
 from llmserve.kernels import get_cpu_kernels
 from llmserve.layers.attention.kv_quant import kv_cache_format, write_kv_quant
+
+
+@dataclass
+class WindowLayout:
+    """Where a mixed model's local layers keep their KV this step: the window pool of
+    ``kv_cache/window_blocks.py``, with its own block table (``0``, the null block, where
+    a block slid out; those positions are outside the window of every query here)."""
+
+    window: int  # the local layers' sliding window, tokens
+    block_table: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int64, window-pool ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64, window-pool slots
 
 
 @dataclass
@@ -49,6 +61,18 @@ class CommonAttentionMetadata:
     # step's attention sums block scores (layers/attention/scored.py; on the "cpu" backend
     # decode rows sum them in the C decode kernels)
     block_scores: dict | None = None
+    # a mixed model's local layers keep their KV in a window pool (WindowLayout), or None
+    window_layout: WindowLayout | None = None
+
+    def for_layer_window(self, window: int | None) -> CommonAttentionMetadata:
+        """The metadata a layer with sliding window ``window`` reads: the window pool's
+        block table and slots when this step has a :class:`WindowLayout` for that window,
+        else ``self``."""
+        layout = self.window_layout
+        if layout is None or window != layout.window:
+            return self
+        return dataclasses.replace(self, block_table=layout.block_table,
+                                   slot_mapping=layout.slot_mapping, window_layout=None)
 
     @property
     def num_seqs(self) -> int:

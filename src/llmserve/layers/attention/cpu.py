@@ -107,7 +107,8 @@ class CpuAttentionMetadata:
         if variant is None:
             if self.common is None:
                 raise ValueError("CpuAttentionMetadata.for_window needs the common metadata")
-            variant = _build_metadata(dataclasses.replace(self.common, sliding_window=window))
+            variant = _build_metadata(dataclasses.replace(
+                self.common.for_layer_window(window), sliding_window=window))
             self.variants[window] = variant
         return variant
 

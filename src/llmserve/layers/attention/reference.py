@@ -38,6 +38,8 @@ class ReferenceAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: CommonAttentionMetadata) -> torch.Tensor:
+        if self.sliding_window is not None:  # a local layer: maybe the window pool
+            metadata = metadata.for_layer_window(self.sliding_window)
         self.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         if metadata.block_scores is not None:  # KV eviction wants block scores
             from llmserve.layers.attention.scored import scored_attention
