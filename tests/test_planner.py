@@ -123,6 +123,34 @@ def test_sliding_window_caps_per_sequence():
     assert load_preset("Qwen2.5-72B").sliding_window is None  # use_sliding_window: false
 
 
+def test_window_pool_counts_only_global_layers_per_token():
+    """A mixed model with prefix caching off (the engine's window pool,
+    kv_cache/window_blocks.py): the paged pool pays for the global layers, the window
+    pool for ``concurrency`` windows is taken from the budget first."""
+    from llmserve.kv_cache.window_blocks import window_kv_layout
+    from llmserve.utils import cdiv
+
+    cfg = {"architectures": ["Gemma3"], "vocab_size": 1000, "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "sliding_window": 64, "max_position_embeddings": 8192,
+           "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    mixed = PlannerModel.from_hf_config(cfg)
+    per_layer = 2 * 2 * 32 * 2
+    args = dict(gpu_memory="1GiB", tp=1, activation_reserve=0, concurrency=4,
+                max_model_len=8192, weight_format="bf16")
+    one = plan_capacity(mixed, **args)
+    two = plan_capacity(mixed, **args, window_pool=True)
+    assert one.kv_bytes_per_token == 6 * per_layer and one.window_pool_bytes == 0
+    assert two.kv_bytes_per_token == per_layer
+    layout, _ = window_kv_layout([64] * 5 + [None], 16, 4, 2048, [])
+    assert two.window_pool_bytes == layout.num_blocks * 16 * 5 * per_layer
+    assert layout.num_blocks == 4 * (cdiv(64, 16) + 2) + cdiv(2048, 16) + 1
+    assert two.num_blocks == (one.kv_budget_bytes - two.window_pool_bytes) // (16 * per_layer)
+    assert two.num_blocks > 5 * one.num_blocks
+    dense = _dense()  # not mixed: nothing changes
+    assert plan_capacity(dense, **args, window_pool=True) == plan_capacity(dense, **args)
+
+
 def test_tensor_parallel_split_and_replication():
     m70 = load_preset("Llama-3.1-70B")
     expected = {1: 327_680, 2: 163_840, 4: 81_920, 8: 40_960, 16: 40_960}  # 1 head from tp=8

@@ -33,7 +33,7 @@ from llmserve.tokenizer import encode_text, load_tokenizer
 from llmserve.utils import format_size
 from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import TORCH_DTYPES, ModelRunner
-from llmserve.worker.window_kv import resolve_window_kv
+from llmserve.worker.window_kv import split_kv_memory
 
 logger = logging.getLogger("llmserve")
 
@@ -70,17 +70,8 @@ class LLMEngine:
         if draft_model is not None:  # the draft's KV cache shares the target's block tables
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft_model.config, config.dtype)
         # a mixed model's local layers in a window pool (kv_cache/window_blocks.py)
-        self.window_kv, why_not, paged_bytes, window_bytes = resolve_window_kv(config)
-        kv_memory = cc.kv_cache_memory
-        if self.window_kv is not None:
-            self.kv_bytes_per_token = paged_bytes
-            kv_memory -= window_bytes
-            logger.info("local layers (window %d) keep their KV in a window pool: %d blocks "
-                        "(%s); the global layers' %d B/token go to the paged pool",
-                        self.window_kv.window, self.window_kv.num_blocks,
-                        format_size(window_bytes), self.kv_bytes_per_token)
-        elif why_not:
-            logger.info("local layers keep every block: %s", why_not)
+        self.window_kv, kv_memory, self.kv_bytes_per_token = split_kv_memory(
+            config, self.kv_bytes_per_token)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-tokens", type=positive_int, default=None,
                         help="per-sequence KV budget of --kv-eviction-policy: caps each "
                              "sequence's blocks (a sliding window on every layer caps them too)")
+    parser.add_argument("--no-enable-prefix-caching", action="store_true",
+                        help="as the engine's flag: a mixed model (local and global layers, "
+                             "Gemma 3) then keeps its local layers' KV in a window pool "
+                             "and the paged pool pays for the global layers only")
     parser.add_argument("--cpu-offload-gb", type=float, default=0.0,
                         help="GiB of decoder-layer weights kept in host memory and streamed "
                              "to the device per layer (as the engine's flag; tp = pp = 1)")
@@ -111,7 +115,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, concurrency=args.concurrency,
         file_weight_bytes=resolved.file_weight_bytes if use_file else None,
-        kv_budget_tokens=args.kv_budget_tokens)
+        kv_budget_tokens=args.kv_budget_tokens,
+        window_pool=getattr(args, "no_enable_prefix_caching", False))
     offload = getattr(args, "cpu_offload_gb", 0.0) or \
         getattr(args, "num_device_layers", None) is not None
     if offload:

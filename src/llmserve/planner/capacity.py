@@ -97,6 +97,10 @@ class CapacityPlan:
     # blocks one sequence holds at most whatever its length (llmserve's cap: a sliding
     # window on every layer, or --kv-budget-tokens; scheduler/kv_limits.py), or None
     max_blocks_per_sequence: int | None = None
+    # a mixed model's local layers in a window pool (prefix caching off;
+    # kv_cache/window_blocks.py): its bytes, taken from the KV budget before the paged
+    # pool, which then holds the global layers' kv_bytes_per_token only
+    window_pool_bytes: int = 0
     # CPU offload / layer split (llmserve --cpu-offload-gb, --num-device-layers); host
     # memory holds host_weight_bytes of weights and host_kv_bytes of KV (the CPU layers')
     num_device_layers: int | None = None
@@ -194,7 +198,8 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
                   concurrency: int = 1, file_weight_bytes: int | None = None,
                   kv_budget_tokens: int | None = None,
                   max_num_batched_tokens: int = 2048, cpu_offload_gb: float = 0.0,
-                  num_device_layers: int | None = None) -> CapacityPlan:
+                  num_device_layers: int | None = None,
+                  window_pool: bool = False) -> CapacityPlan:
     """Size the KV cache of one tp x pp group of devices with ``gpu_memory`` bytes each.
 
     ``gpu_memory``: bytes or a size string (``"80GiB"``). ``num_gpus``: devices
@@ -213,6 +218,10 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
     (:func:`llmserve.planner.offload.split_weights`): device weights are the device layers'
     less the offloaded ones plus their staging slots, the KV per token on the device is
     the device layers' share, and the rest is host memory (``host_*`` fields).
+    ``window_pool``: llmserve with prefix caching off, where a mixed model (local and
+    global layers, Gemma 3) keeps its local layers' KV in a window pool sized for
+    ``concurrency`` sequences (at most half the KV budget) and its paged pool pays the
+    global layers' bytes per token only (``pp = 1``, no offload or KV budget).
     Never raises for a model that does not fit: see :attr:`CapacityPlan.fits`.
 
     Raises:
@@ -257,8 +266,12 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
         weights = split.device_weight_bytes
         per_token = per_token * split.num_device_layers // m.num_hidden_layers
     budget = usable - weights - activations
-    blocks = num_kv_cache_blocks(budget, block_size, per_token) \
-        if budget >= block_size * per_token else 0
+    window_bytes = 0
+    if window_pool and pp == 1 and split is None and kv_budget_tokens is None:
+        per_token, window_bytes = _window_pool(m, kv_cache_dtype, tp, block_size, concurrency,
+                                               max_num_batched_tokens, budget, per_token)
+    blocks = num_kv_cache_blocks(budget - window_bytes, block_size, per_token) \
+        if budget - window_bytes >= block_size * per_token else 0
     chunk = _cdiv(_positive_int("max_num_batched_tokens", max_num_batched_tokens), block_size)
     cap = None
     if kv_budget_tokens is not None:
@@ -273,13 +286,31 @@ def plan_capacity(model: ModelConfig | PlannerModel, *, gpu_memory: int | str, t
         host_kv_bytes=blocks * block_size * split.host_kv_bytes_per_token(
             kv_cache_bytes_per_token(m, kv_cache_dtype)))
     return CapacityPlan(
-        **offload, max_blocks_per_sequence=cap, model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
+        **offload, max_blocks_per_sequence=cap, window_pool_bytes=window_bytes, model=m.name, tp=tp, pp=pp, num_gpus=gpus, replicas=gpus // (tp * pp),
         block_size=block_size, max_model_len=context, concurrency=concurrency,
         gpu_memory=memory, gpu_memory_utilization=gpu_memory_utilization, usable_bytes=usable,
         weight_bytes=weights, activation_bytes=activations, kv_budget_bytes=budget,
         kv_bytes_per_token=per_token, num_blocks=blocks,
         weight_format="gguf file" if file_weight_bytes is not None else fmt.name,
         kv_cache_dtype=m.torch_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
+def _window_pool(m: PlannerModel, kv_cache_dtype: str, tp: int, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, budget: int,
+                 per_token: int) -> tuple[int, int]:
+    """``(paged pool bytes per token, window pool bytes)``, as the engine splits them
+    (``worker/window_kv.py``); ``(per_token, 0)`` for a model that is not mixed."""
+    from llmserve.kv_cache.window_blocks import window_kv_layout
+
+    layout, _ = window_kv_layout([m.layer_window(i) for i in range(m.num_hidden_layers)],
+                                 block_size, max_num_seqs, max_num_batched_tokens, [])
+    if layout is None:
+        return per_token, 0
+    per_layer = per_token // m.num_hidden_layers
+    per_block = block_size * per_layer * len(layout.layers)
+    num_blocks = min(layout.num_blocks, max(layout.blocks_per_seq + 1,
+                                            max(budget, 0) // 2 // per_block))
+    return per_layer * (m.num_hidden_layers - len(layout.layers)), num_blocks * per_block
 
 
 def candidate_layouts(model: PlannerModel, gpus_per_node: int = 8,

@@ -129,6 +129,10 @@ def _kv_rows(m: PlannerModel, plan: CapacityPlan) -> list[Row]:
         capped = kv_cache_bytes_per_sequence(m, ctx, plan.kv_cache_dtype, tp, pp)
         rows.append((sec, "  window-capped", f"{m.num_sliding_layers} of {L} layers keep "
                      f"min({_n(ctx)}, window {_n(m.sliding_window)}) tokens", _b(capped)))
+    if plan.window_pool_bytes:
+        rows.append((sec, "  window pool", f"local layers: {plan.concurrency} sequences' "
+                     "windows (prefix caching off); KV/token counts the global layers",
+                     _b(plan.window_pool_bytes)))
     rows.append((sec, "KV/batch", f"{format_size(seq)} x {plan.concurrency} sequences",
                  _b(seq * plan.concurrency)))
     return rows
@@ -154,7 +158,11 @@ def _capacity_rows(m: PlannerModel, plan: CapacityPlan, reserve_given: bool) -> 
          f" - {format_size(plan.activation_bytes)}",
          _b(plan.kv_budget_bytes) if plan.kv_budget_bytes >= 0
          else f"-{format_size(-plan.kv_budget_bytes)}"),
-        (sec, "KV blocks", f"floor({_n(max(plan.kv_budget_bytes, 0))} B / ({bs} tokens x "
+        (sec, "KV blocks", (f"floor(({_n(max(plan.kv_budget_bytes, 0))} B - "
+                            f"{_n(plan.window_pool_bytes)} B window pool)"
+                            if plan.window_pool_bytes else
+                            f"floor({_n(max(plan.kv_budget_bytes, 0))} B")
+         + f" / ({bs} tokens x "
          f"{_n(plan.kv_bytes_per_token)} B))", _n(plan.num_blocks)),
         (sec, "tokens", f"({_n(plan.num_blocks)} - 1 null block) x {bs}", _n(plan.num_tokens)),
         (sec, "sequences", f"floor({_n(plan.usable_blocks)} / ceil({_n(plan.max_model_len)} / "

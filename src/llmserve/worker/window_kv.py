@@ -12,6 +12,7 @@ request's ``(first logical block, window-pool ids)``::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,9 @@ from llmserve.kv_cache.window_blocks import WindowKVLayout
 from llmserve.layers.attention.backend import WindowLayout
 from llmserve.planner.ledger import kv_bytes_per_token_per_layer
 from llmserve.scheduler.kv_limits import window_kv_for
+from llmserve.utils import format_size
+
+logger = logging.getLogger("llmserve")
 
 # the window pool takes at most this share of --kv-cache-memory (but always one
 # sequence's blocks); a smaller pool makes the scheduler wait or preempt instead
@@ -45,6 +49,22 @@ def resolve_window_kv(config) -> tuple[WindowKVLayout | None, str, int, int]:
         layout = replace(layout, num_blocks=max(layout.blocks_per_seq + 1, cap))
     return (layout, "", per_layer * (mc.num_hidden_layers - num_local),
             layout.num_blocks * per_block)
+
+
+def split_kv_memory(config, kv_bytes_per_token: int,
+                    ) -> tuple[WindowKVLayout | None, int, int]:
+    """``(window pool layout or None, bytes left for the paged pool, its bytes per
+    token)`` out of ``--kv-cache-memory``; logs the split (or why there is none)."""
+    layout, why_not, paged_bytes, window_bytes = resolve_window_kv(config)
+    memory = config.cache_config.kv_cache_memory
+    if layout is None:
+        if why_not:
+            logger.info("local layers keep every block: %s", why_not)
+        return None, memory, kv_bytes_per_token
+    logger.info("local layers (window %d) keep their KV in a window pool: %d blocks (%s); "
+                "the paged pool holds the global layers' %d B/token", layout.window,
+                layout.num_blocks, format_size(window_bytes), paged_bytes)
+    return layout, memory - window_bytes, paged_bytes
 
 
 def window_rows(states: list, positions: list[np.ndarray], width: int, block_size: int,
