@@ -162,3 +162,27 @@ def test_prefix_caching_keeps_one_pool(mixed_dir):
     out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
         temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == ref[0]
+
+
+@pytest.mark.parametrize("key_quant", ["per-token", "per-channel"])
+def test_int8_pages_in_the_window_pool_match_one_pool(mixed_dir, key_quant):
+    """int8 KV (per-token scales, or KIVI's per-channel keys whose scales live in each
+    block): the window pool's blocks hold the same logical blocks as one pool's, so the
+    tokens are the same as with every layer in one pool. (A window-pool step skips the
+    fused C decode path of plain Llama layers; it is turned off in the one-pool engine
+    too, since its int8 rounding differs and random weights have near-ties.)"""
+    from llmserve import LLM, SamplingParams
+
+    _, _, path, prompts, _ = mixed_dir
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    outs = []
+    for caching in (False, True):
+        llm = LLM(path, dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK,
+                  max_num_seqs=4, enable_prefix_caching=caching, kv_cache_memory="4MiB",
+                  kv_cache_dtype="int8", kv_key_quant=key_quant)
+        assert (llm.engine.window_kv is None) == caching
+        model = llm.engine.runner.model
+        getattr(model, "model", model).use_cpu_decode_path = False
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+    assert outs[0] == outs[1]
