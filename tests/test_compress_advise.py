@@ -36,7 +36,7 @@ def _advise(gguf_path, capsys, *extra):
     rc = main(["quantize", "advise", gguf_path, "--quick", "--levels", LEVELS, "--json",
                *extra])
     captured = capsys.readouterr()
-    return rc, json.loads(captured.out.splitlines()[0]), captured.err
+    return rc, json.loads(captured.out), captured.err  # stdout: the JSON only
 
 
 def test_advise_quick_picks_by_sla_and_caches(gguf_path, cache, capsys, tmp_path):
@@ -65,6 +65,14 @@ def test_advise_quick_picks_by_sla_and_caches(gguf_path, cache, capsys, tmp_path
         [src["perplexity"], rtn["perplexity"]]
     files = [f for _, _, fs in os.walk(cache) for f in fs]
     assert sorted(files) == [f"rtn-w4-g64.quick.v{SCHEMA}.json", f"source.quick.v{SCHEMA}.json"]
+
+    # --kv-dtypes measures the chosen level (cached: quantized again), not the source
+    rc, third, err = _advise(gguf_path, capsys, "--max-kl", "10", "--kv-dtypes", "auto,int8")
+    assert rc == 0 and third["chosen"] == smallest and "chosen:" in err
+    kv = {r["kv_cache_dtype"]: r for r in third["kv_dtypes"]}
+    chosen_row = rows[smallest]
+    assert all(r["memory_bytes"] == chosen_row["memory_bytes"] for r in kv.values())
+    assert kv["int8"]["kv_bytes_per_token"] < kv["auto"]["kv_bytes_per_token"]
 
     # impossible: nothing meets it, exit code 1, the table still printed
     rc = main(["quantize", "advise", gguf_path, "--quick", "--levels", LEVELS,

@@ -28,7 +28,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -99,10 +99,10 @@ class SLA:
     def __post_init__(self) -> None:
         if self.max_kl is not None and self.max_ppl_increase is not None:
             raise ValueError("give --max-kl or --max-ppl-increase, not both")
-        for field in ("max_kl", "max_ppl_increase", "min_tokens_per_s", "max_memory"):
-            v = getattr(self, field)
+        for name in ("max_kl", "max_ppl_increase", "min_tokens_per_s", "max_memory"):
+            v = getattr(self, name)
             if v is not None and (not math.isfinite(v) or v < 0):
-                flag = "--" + field.replace("_", "-")
+                flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a non-negative number, got {v!r}")
 
     def violations(self, row: dict[str, Any]) -> list[str]:
@@ -302,11 +302,12 @@ class Advice:
     rows: list[dict[str, Any]]
     chosen: dict[str, Any] | None
     checkpoint: str | None
+    kv_rows: list[dict[str, Any]] = field(default_factory=list)  # the chosen level's
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "settings": asdict(self.settings), "rows": self.rows,
                 "chosen": self.chosen["level"] if self.chosen else None,
-                "checkpoint": self.checkpoint}
+                "checkpoint": self.checkpoint, "kv_dtypes": self.kv_rows}
 
 
 def choose(rows: list[dict[str, Any]], sla: SLA, objective: str = "size",
@@ -333,9 +334,11 @@ def choose(rows: list[dict[str, Any]], sla: SLA, objective: str = "size",
 
 def advise(model: str, levels: list[str] | None = None, sla: SLA | None = None,
            objective: str = "size", quick: bool = False, output: str | None = None,
-           log=print) -> Advice:
+           log=print, kv_dtypes: tuple[str, ...] = ()) -> Advice:
     """Measure ``levels`` (default :data:`DEFAULT_LEVELS`) of ``model`` (cached), choose
-    one for ``sla``; with ``output``, write the chosen checkpoint there.
+    one for ``sla``; with ``output``, write the chosen checkpoint there; with
+    ``kv_dtypes``, measure the chosen level's checkpoint per KV cache dtype
+    (:func:`measure_kv_dtypes`; a level cached from an earlier run is made again).
 
     Raises:
         ValueError: an unknown model or level, bad SLA or objective.
@@ -391,11 +394,17 @@ def advise(model: str, levels: list[str] | None = None, sla: SLA | None = None,
             rows.append({**row, "cached": False})
             made[level.name] = ckpt
         chosen = choose(rows, sla, objective)
-        checkpoint = None
+        checkpoint, kv_rows = None, []
         if chosen is not None:
-            checkpoint = _write_chosen(source.path, parse_level(chosen["level"]), made,
-                                       output, settings)
-        return Advice(source.name, settings, rows, chosen, checkpoint)
+            level = parse_level(chosen["level"])
+            checkpoint = _write_chosen(source.path, level, made, output, settings)
+            if kv_dtypes:
+                ckpt = checkpoint or made.get(level.name) or _write_chosen(
+                    source.path, level, {}, os.path.join(workdir, "kv-" + level.name),
+                    settings)
+                log(f"advise: KV cache dtypes {', '.join(kv_dtypes)} on {level.name} ...")
+                kv_rows = measure_kv_dtypes(ckpt, settings, tuple(kv_dtypes))
+        return Advice(source.name, settings, rows, chosen, checkpoint, kv_rows)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

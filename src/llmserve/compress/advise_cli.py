@@ -95,7 +95,6 @@ def format_table(rows: list[dict]) -> str:
 def _run_advise(args: argparse.Namespace) -> int:
     from llmserve.compress.advise import (
         advise,
-        measure_kv_dtypes,
         parse_level,
         quantize_command,
     )
@@ -104,28 +103,28 @@ def _run_advise(args: argparse.Namespace) -> int:
     sla = _sla(args)
     kv = [normalize_kv_cache_dtype(d) for d in _split(args.kv_dtypes) or []]
     result = advise(args.model, _split(args.levels), sla, args.objective, args.quick,
-                    args.output, log=lambda msg: print(msg, file=sys.stderr))
-    kv_rows = []
-    if kv and result.chosen is not None:
-        kv_ckpt = result.checkpoint or args.model
-        kv_rows = measure_kv_dtypes(kv_ckpt, result.settings, tuple(kv))
-    if args.json:
-        print(json.dumps({**result.as_dict(), "kv_dtypes": kv_rows}))
+                    args.output, log=lambda msg: print(msg, file=sys.stderr),
+                    kv_dtypes=tuple(kv))
+    chosen = None
+    if result.chosen is not None:
+        level = parse_level(result.chosen["level"])
+        if level.method is None:
+            chosen = f"chosen: source (serve {args.model} as it is)"
+        elif result.checkpoint is not None:
+            chosen = f"chosen: {level.name}; wrote {result.checkpoint}"
+        else:
+            chosen = (f"chosen: {level.name}; make it with: "
+                      f"{quantize_command(args.model, level, result.settings)}")
+    if args.json:  # stdout holds the JSON only
+        print(json.dumps(result.as_dict()))
     else:
         print(format_table(result.rows))
-        for r in kv_rows:
-            print(f"KV {r['kv_cache_dtype']:>9}: {r['kv_bytes_per_token']} B/token, "
-                  f"{r['decode_tok_s']:.1f} tok/s batch 1, {r['batch_tok_s']:.1f} tok/s "
-                  f"batched")
-    if result.chosen is None:
+        for r in result.kv_rows:
+            print(f"KV {r['kv_cache_dtype']:>9} ({result.chosen['level']}): "
+                  f"{r['kv_bytes_per_token']} B/token, {r['decode_tok_s']:.1f} tok/s batch 1, "
+                  f"{r['batch_tok_s']:.1f} tok/s batched")
+    if chosen is None:
         print("advise: no level meets the SLA", file=sys.stderr)
         return 1
-    level = parse_level(result.chosen["level"])
-    if level.method is None:
-        print(f"chosen: source (serve {args.model} as it is)")
-    elif result.checkpoint is not None:
-        print(f"chosen: {level.name}; wrote {result.checkpoint}")
-    else:
-        print(f"chosen: {level.name}; make it with: "
-              f"{quantize_command(args.model, level, result.settings)}")
+    print(chosen, file=sys.stderr if args.json else sys.stdout)
     return 0
