@@ -186,3 +186,18 @@ def test_int8_pages_in_the_window_pool_match_one_pool(mixed_dir, key_quant):
         outs.append([list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_deterministic_mode_reads_the_window_pool(mixed_dir):
+    """``--deterministic`` runs every token as a one-token decode: the window table is
+    expanded per token like the block table (ModelRunner._prepare_inputs)."""
+    from llmserve import LLM, SamplingParams
+
+    _, _, path, prompts, ref = mixed_dir
+    llm = LLM(path, dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK,
+              max_num_seqs=4, enable_prefix_caching=False, kv_cache_memory="4MiB",
+              deterministic=True)
+    assert llm.engine.window_kv is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref

@@ -121,11 +121,12 @@ class ModelRunner:
             self.window_kv.num_blocks, self.block_size,
             getattr(model, "num_kv_heads", mc.num_key_value_heads),
             mc.head_dim)[1:] if self.window_kv else None
+        shapes = [window_shapes if i in self.window_layers else (key_shape, shape)
+                  for i in range(num_layers)]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(ks, dtype=self.kv_cache_dtype, device=dev),
              torch.zeros(vs, dtype=self.kv_cache_dtype, device=dev))
-            for i, dev in enumerate(layer_devices)
-            for ks, vs in [window_shapes if i in self.window_layers else (key_shape, shape)]
+            for (ks, vs), dev in zip(shapes, layer_devices, strict=True)
         ]
         # the host pool for swap preemption, same layout; block 0 unused
         pin = self.device.type == "cuda"
