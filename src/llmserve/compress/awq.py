@@ -63,22 +63,30 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group
 def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int,
                 n_grid: int = N_GRID, max_shrink: float = 0.5,
                 max_rows: int = 512) -> torch.Tensor:
-    """Per row and group clip bounds ``[N, G]`` for ``w [N, K]`` reading ``x [..., K]``."""
+    """Per row and group clip bounds ``[N, G]`` for ``w [N, K]`` reading ``x [..., K]``.
+
+    The group output error over the ``m`` calibration rows is a quadratic form in the
+    weight error ``d = Q(clip(w)) - w`` of the group, so it is computed from the group's
+    Gram matrix ``C_g = X_g^T X_g / m`` (``[G, gs, gs]``, once) instead of the ``[m, N, G]``
+    outputs for every bound::
+
+        mean_m (x_mg . d_ng)^2 = d_ng^T C_g d_ng
+    """
     x = _rows(x, max_rows)
     n, k = w.shape
     gs = resolve_group_size(group_size, k)
     g = k // gs
-    xg = x.reshape(-1, g, gs)  # [m, G, gs]
+    xg = x.reshape(-1, g, gs).transpose(0, 1)  # [G, m, gs]
+    gram = xg.transpose(1, 2) @ xg / xg.shape[1]  # [G, gs, gs]
     wg = w.float().reshape(n, g, gs)  # [N, G, gs]
-    ref = torch.einsum("mgk,ngk->mng", xg, wg)
     amax = wg.abs().amax(-1)  # [N, G]
     best_err = torch.full((n, g), float("inf"))
     best = amax.clone()
     for i in range(int(max_shrink * n_grid)):
         bound = amax * (1 - i / n_grid)
         cw = torch.maximum(torch.minimum(wg, bound[..., None]), -bound[..., None])
-        q = fake_quantize(cw.reshape(n, k), bits, gs).reshape(n, g, gs)
-        err = (torch.einsum("mgk,ngk->mng", xg, q) - ref).pow(2).mean(0)  # [N, G]
+        d = (fake_quantize(cw.reshape(n, k), bits, gs).reshape(n, g, gs) - wg).transpose(0, 1)
+        err = ((d @ gram) * d).sum(-1).transpose(0, 1)  # [N, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, bound, best)
