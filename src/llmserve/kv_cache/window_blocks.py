@@ -105,7 +105,7 @@ class WindowBlocks:
         """(dead blocks to free, new first index, blocks to allocate)."""
         bs = self.block_size
         table = self.tables.get(request_id)
-        if not table and num_computed_tokens > 0:
+        if table is None and num_computed_tokens > 0:
             raise RuntimeError(
                 f"request {request_id!r} has {num_computed_tokens} computed tokens but no "
                 "window blocks (a prefix hit or fork in two-pool mode)")
