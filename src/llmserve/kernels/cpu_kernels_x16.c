@@ -289,6 +289,36 @@ static inline q8k_act q8k_act_row(q8k_act a, int64_t row, int64_t K) {
     return r;
 }
 
+/* quantizes the residual resid[K] into code row `row` of the driver's activations */
+typedef void (*x16_requant_fn)(const float *resid, int64_t K, int64_t row, void *ctx);
+
+/* The second pass of both drivers: each of the M rows whose span check fires gets its
+ * residual x - d q (d one scale per `block` codes, row m of q/d) requantized by
+ * `requant` into the next free code row; second[m] = that row, else -1. Returns the
+ * rows of codes in all (M plus the second passes). resid: K floats of scratch. */
+static int64_t x16_second_pass(int dtype, const void *x, int64_t x_stride, int64_t M,
+                               int64_t K, int64_t block, const float *d, const int8_t *q,
+                               float *resid, int64_t *second, x16_requant_fn requant,
+                               void *ctx) {
+    const int64_t nb = K / block;
+    const size_t es = elem_size(dtype);
+    int64_t rows = M;
+    for (int64_t m = 0; m < M; m++) {
+        const char *xm = (const char *)x + m * x_stride * es;
+        second[m] = -1;
+        if (!x16_needs_second_pass(dtype, xm, K)) continue;
+        load_row(dtype, resid, xm, K);
+        for (int64_t i = 0; i < K; i++) resid[i] -= d[m * nb + i / block] * (float)q[m * K + i];
+        requant(resid, K, rows, ctx);
+        second[m] = rows++;
+    }
+    return rows;
+}
+
+static void q8k_requant(const float *resid, int64_t K, int64_t row, void *ctx) {
+    q8k_quantize_rows(DT_F32, resid, K, 1, K, q8k_act_row(*(q8k_act *)ctx, row, K));
+}
+
 /* out[m, n] (row stride out_stride elements) = x[m] . W[n], x[m] quantized to Q8_K (plus
  * a second pass for outlier rows, above), W the x16 tiles of gguf_repack_x16 (N rows).
  * M in 1..16. -5: no AVX512-VNNI here. */
@@ -321,17 +351,9 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
     int32_t *bs32 = (int32_t *)(a.bsum32 + R * (K / 32));  /* 4-byte aligned: K % 256 == 0 */
     float *resid = (float *)(bs32 + R * (K / 16));
     q8k_quantize_rows(dtype, x, x_stride, M, K, a);
-    int64_t second[16], rows = M;
-    const size_t es = elem_size(dtype);
-    for (int64_t m = 0; m < M; m++) {
-        const char *xm = (const char *)x + m * x_stride * es;
-        second[m] = -1;
-        if (!x16_needs_second_pass(dtype, xm, K)) continue;
-        load_row(dtype, resid, xm, K);
-        for (int64_t i = 0; i < K; i++) resid[i] -= a.d[m * nb + i / 256] * (float)a.q[m * K + i];
-        q8k_quantize_rows(DT_F32, resid, K, 1, K, q8k_act_row(a, rows, K));
-        second[m] = rows++;
-    }
+    int64_t second[16];
+    const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 256, a.d, a.q, resid,
+                                         second, q8k_requant, &a);
     for (int64_t i = 0; i < rows * (K / 16); i++) bs32[i] = 32 * a.bsum16[i];
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
@@ -351,6 +373,20 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
 }
 
 #include "cpu_kernels_x16_q32.c"
+
+/* per-32 activations of x16_q32_matmul: codes (+offset), scales, offset sums per block */
+typedef struct {
+    int offset;
+    int8_t *q;
+    float *d;
+    int32_t *ob;
+} x16_q32_act;
+
+static void x16_q32_requant(const float *resid, int64_t K, int64_t row, void *ctx) {
+    const x16_q32_act *a = ctx;
+    x16_q32_quantize_rows(DT_F32, resid, K, 1, K, a->offset, a->q + row * K,
+                          a->d + row * (K / 32), a->ob + row * (K / 32));
+}
 
 /* gguf_matmul_x16 for Q8_0 / Q5_0 units: per-32 activations, the same second pass */
 static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, const void *x,
@@ -372,18 +408,10 @@ static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, c
     int32_t *ob = (int32_t *)(resid + K);
     int8_t *q = (int8_t *)(ob + R * nb);
     x16_q32_quantize_rows(dtype, x, x_stride, M, K, offset, q, d, ob);
-    int64_t second[16], rows = M;
-    const size_t es = elem_size(dtype);
-    for (int64_t m = 0; m < M; m++) {
-        const char *xm = (const char *)x + m * x_stride * es;
-        second[m] = -1;
-        if (!x16_needs_second_pass(dtype, xm, K)) continue;
-        load_row(dtype, resid, xm, K);
-        for (int64_t i = 0; i < K; i++) resid[i] -= d[m * nb + i / 32] * (float)q[m * K + i];
-        x16_q32_quantize_rows(DT_F32, resid, K, 1, K, offset, q + rows * K, d + rows * nb,
-                              ob + rows * nb);
-        second[m] = rows++;
-    }
+    int64_t second[16];
+    x16_q32_act act = {offset, q, d, ob};
+    const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 32, d, q, resid, second,
+                                         x16_q32_requant, &act);
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
