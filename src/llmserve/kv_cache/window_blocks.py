@@ -32,7 +32,7 @@ Source: vLLM v1's hybrid KV cache manager (one block table per KV cache group;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from llmserve.utils import cdiv
@@ -82,6 +82,22 @@ def window_kv_layout(layer_windows: list[int | None], block_size: int, max_num_s
     num_blocks = max_num_seqs * (cdiv(window, block_size) + 2) \
         + cdiv(max_num_batched_tokens, block_size) + 1
     return WindowKVLayout(window, tuple(local), max(num_blocks, per_seq + 1), per_seq), ""
+
+
+# the window pool takes at most this share of the KV memory (but always one sequence's
+# blocks); a smaller pool makes the scheduler wait or preempt instead
+MAX_WINDOW_POOL_SHARE = 0.5
+
+
+def cap_window_pool(layout: WindowKVLayout, bytes_per_block: int,
+                    kv_memory: int) -> WindowKVLayout:
+    """``layout`` with at most :data:`MAX_WINDOW_POOL_SHARE` of ``kv_memory`` bytes of
+    window blocks (``bytes_per_block``: one block of every local layer), never fewer
+    than one sequence's ``blocks_per_seq + 1``."""
+    cap = int(max(kv_memory, 0) * MAX_WINDOW_POOL_SHARE) // bytes_per_block
+    if layout.num_blocks <= cap:
+        return layout
+    return replace(layout, num_blocks=max(layout.blocks_per_seq + 1, cap))
 
 
 class WindowBlocks:

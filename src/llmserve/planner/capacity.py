@@ -300,7 +300,7 @@ def _window_pool(m: PlannerModel, kv_cache_dtype: str, tp: int, block_size: int,
                  per_token: int) -> tuple[int, int]:
     """``(paged pool bytes per token, window pool bytes)``, as the engine splits them
     (``worker/window_kv.py``); ``(per_token, 0)`` for a model that is not mixed."""
-    from llmserve.kv_cache.window_blocks import window_kv_layout
+    from llmserve.kv_cache.window_blocks import cap_window_pool, window_kv_layout
 
     layout, _ = window_kv_layout([m.layer_window(i) for i in range(m.num_hidden_layers)],
                                  block_size, max_num_seqs, max_num_batched_tokens, [])
@@ -308,9 +308,8 @@ def _window_pool(m: PlannerModel, kv_cache_dtype: str, tp: int, block_size: int,
         return per_token, 0
     per_layer = per_token // m.num_hidden_layers
     per_block = block_size * per_layer * len(layout.layers)
-    num_blocks = min(layout.num_blocks, max(layout.blocks_per_seq + 1,
-                                            max(budget, 0) // 2 // per_block))
-    return per_layer * (m.num_hidden_layers - len(layout.layers)), num_blocks * per_block
+    layout = cap_window_pool(layout, per_block, budget)
+    return per_layer * (m.num_hidden_layers - len(layout.layers)), layout.num_blocks * per_block
 
 
 def candidate_layouts(model: PlannerModel, gpus_per_node: int = 8,

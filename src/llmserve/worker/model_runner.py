@@ -200,7 +200,7 @@ class ModelRunner:
                 [] if sp.prompt_logprobs is not None else None,
                 lora_request=getattr(new, "lora_request", None))
             self.requests[new.req_id].num_evicted_tokens = new.num_evicted_tokens
-            self.requests[new.req_id].window_blocks = getattr(new, "window_blocks", None)
+            self.requests[new.req_id].window_blocks = new.window_blocks
             so = sp.structured_outputs
             if so is not None:  # compiled by the engine when the request was added
                 self.requests[new.req_id].grammar = so.compiled.new_matcher()
@@ -209,7 +209,7 @@ class ModelRunner:
             state.block_ids = list(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.num_evicted_tokens = cached.num_evicted_tokens
-            state.window_blocks = getattr(cached, "window_blocks", None)
+            state.window_blocks = cached.window_blocks
 
     def drop_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

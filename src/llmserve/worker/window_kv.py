@@ -13,22 +13,17 @@ request's ``(first logical block, window-pool ids)``::
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import numpy as np
 import torch
 
-from llmserve.kv_cache.window_blocks import WindowKVLayout
+from llmserve.kv_cache.window_blocks import WindowKVLayout, cap_window_pool
 from llmserve.layers.attention.backend import WindowLayout
 from llmserve.planner.ledger import kv_bytes_per_token_per_layer
 from llmserve.scheduler.kv_limits import window_kv_for
 from llmserve.utils import format_size
 
 logger = logging.getLogger("llmserve")
-
-# the window pool takes at most this share of --kv-cache-memory (but always one
-# sequence's blocks); a smaller pool makes the scheduler wait or preempt instead
-MAX_WINDOW_POOL_SHARE = 0.5
 
 
 def resolve_window_kv(config) -> tuple[WindowKVLayout | None, str, int, int]:
@@ -44,9 +39,7 @@ def resolve_window_kv(config) -> tuple[WindowKVLayout | None, str, int, int]:
         return None, why_not, per_layer * mc.num_hidden_layers, 0
     num_local = len(layout.layers)
     per_block = cc.block_size * per_layer * num_local
-    cap = int(cc.kv_cache_memory * MAX_WINDOW_POOL_SHARE) // per_block
-    if layout.num_blocks > cap:
-        layout = replace(layout, num_blocks=max(layout.blocks_per_seq + 1, cap))
+    layout = cap_window_pool(layout, per_block, cc.kv_cache_memory)
     return (layout, "", per_layer * (mc.num_hidden_layers - num_local),
             layout.num_blocks * per_block)
 
