@@ -175,7 +175,7 @@ def window_kv_for(config: EngineConfig) -> tuple[WindowKVLayout | None, str]:
         ("swap preemption", sc.preemption_mode == "swap"),
         ("KV eviction", cc.kv_eviction_policy != "none"),
         ("speculative decoding", config.speculative_config is not None),
-        ("a shared KV store", getattr(cc, "kv_store", None) is not None),
+        ("a shared KV store", cc.kv_store is not None),
         ("pipeline parallelism", config.parallel_config.pipeline_parallel_size > 1),
     ) if on]
     return window_kv_layout([mc.layer_sliding_window(i) for i in range(mc.num_hidden_layers)],
