@@ -1,6 +1,6 @@
 """Speculative decoding on Qwen2.5-Coder-1.5B-Instruct (issue 14): no speculation vs
-n-gram prompt lookup vs the Qwen2.5-Coder-0.5B-Instruct draft, fixed k and adaptive
-k, at several batch sizes, interleaved in one run; llama.cpp's prompt-lookup mode
+n-gram prompt lookup vs the Qwen2.5-Coder-0.5B-Instruct draft (scoring the whole
+vocabulary, or only ids below ``--draft-vocab-size``), fixed k and adaptive k, at several batch sizes, interleaved in one run; llama.cpp's prompt-lookup mode
 (``llama-cpp-python``'s ``LlamaPromptLookupDecoding``) side by side at batch 1.
 
 Prompt sets (greedy, EOS ignored, the same prompts for every method):
@@ -75,16 +75,18 @@ def build_engines(args) -> dict[str, LLM]:
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                   "prompt_lookup_max": 3},
         "draft": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k},
+        "draftvocab": {"method": "draft_model", "model": args.draft,
+                       "num_speculative_tokens": k, "draft_vocab_size": args.draft_vocab_size},
     }
-    draft = None
+    drafts: dict[str, object] = {}  # one loaded draft per method
     for method in args.methods:
         for policy in args.policies:
             sc = SpeculativeConfig.from_value({**specs[method], "draft_length_policy": policy})
             cfg = dataclasses.replace(base.engine.config, speculative_config=sc)
-            if method == "draft" and draft is None:
-                draft = load_draft_model(cfg, tok)
+            if method != "ngram" and method not in drafts:
+                drafts[method] = load_draft_model(cfg, tok)
             engines[f"{method}-{policy}"] = LLM.from_engine(LLMEngine(
-                cfg, tok, model, draft_model=draft if method == "draft" else None))
+                cfg, tok, model, draft_model=drafts.get(method)))
     return engines
 
 
@@ -139,7 +141,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--batch-sizes", default="1,4")
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--methods", default="ngram,draft")
+    ap.add_argument("--methods", default="ngram,draft,draftvocab",
+                    help="ngram, draft (the full vocabulary), draftvocab (the draft scores "
+                    "ids below --draft-vocab-size)")
+    ap.add_argument("--draft-vocab-size", type=int, default=32768)
     ap.add_argument("--policies", default="fixed,adaptive")
     ap.add_argument("--sets", default="code,edit")
     ap.add_argument("--kv-cache-memory", default="768MiB")

@@ -146,6 +146,37 @@ def test_draft_catch_up_runs_as_decodes(llm_fp32, reference, monkeypatch):
     _all_free(llm)
 
 
+def test_draft_vocab_subset_is_lossless(llm_fp32, reference):
+    """FR-Spec's reduced draft vocabulary: the draft (the default GGUF loaded again,
+    tied embeddings) scores only ids below 2048, so it never drafts a larger id, and the
+    outputs stay the target's greedy tokens."""
+    from llmserve.spec_decode.draft_model import load_draft_model
+
+    spec = {"method": "draft_model", "model": llm_fp32.engine.config.model,
+            "num_speculative_tokens": 3, "draft_vocab_size": 2048}
+    cfg = dataclasses.replace(llm_fp32.engine.config,
+                              speculative_config=SpeculativeConfig.from_value(spec))
+    draft = load_draft_model(cfg, llm_fp32.engine.tokenizer)
+    assert draft.lm_head.output_size == 2048
+    llm = LLM.from_engine(LLMEngine(cfg, llm_fp32.engine.tokenizer,
+                                    llm_fp32.engine.runner.model, draft_model=draft))
+    proposer = llm.engine.runner.spec_decoder.proposer
+    drafted, real_propose = [], proposer.propose
+
+    def propose(*a):
+        out = real_propose(*a)
+        drafted.extend(t for d in out for t in d)
+        return out
+
+    proposer.propose = propose
+    outs = llm.generate(PROMPTS + PROMPTS[:1], _params() + _params()[:1], use_tqdm=False)
+    assert _summary(outs) == reference
+    assert len(drafted) > 20 and max(drafted) < 2048
+    assert any(t >= 2048 for o in outs for c in o.outputs for t in c.token_ids)
+    assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+    _all_free(llm)
+
+
 def test_seeded_sampling_same_alone_or_batched_and_aborts_free_blocks(llm_fp32):
     llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
                                   "num_speculative_tokens": 3}, draft=True)

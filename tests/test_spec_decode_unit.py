@@ -7,6 +7,8 @@ sampling noise, while a perturbed reference (or the draft ``q``) is far outside 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,6 +43,10 @@ def test_config_defaults_and_inference():
     ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_length_policy": "x"},
      "draft_length_policy"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 100},
+     "draft_vocab_size"),
+    ({"model": "/x/d.gguf", "num_speculative_tokens": 2, "draft_vocab_size": 0},
+     "draft_vocab_size"),
     ("{not json", "JSON"),
 ])
 def test_config_errors_name_the_field(value, field):
@@ -280,6 +286,10 @@ def test_draft_config_checks_name_the_field():
         check_draft_config(mc(120, 512), cfg)
     with pytest.raises(ValueError, match="speculative_config.model.*context length"):
         check_draft_config(mc(100, 256), cfg)
+    big = dataclasses.replace(cfg, speculative_config=SpeculativeConfig(
+        model="/x/d.gguf", num_speculative_tokens=2, draft_vocab_size=101))
+    with pytest.raises(ValueError, match="draft_vocab_size.*exceeds"):
+        check_draft_config(mc(100, 512), big)
 
 
 def test_cli_flag_reaches_the_engine_config():

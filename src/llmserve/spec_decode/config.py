@@ -3,10 +3,12 @@
 Field names follow vLLM's ``SpeculativeConfig`` (``--speculative-config '{json}'``):
 ``method`` (``"ngram"`` | ``"draft_model"``), ``model``, ``num_speculative_tokens``,
 ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram prompt lookup) and
-``quantization`` (of the draft). Two fields are ours: ``draft_length_policy``
+``quantization`` (of the draft). Three fields are ours: ``draft_length_policy``
 (``"fixed"``: always ``num_speculative_tokens``; ``"adaptive"``: per request, from
-its recent acceptance rate and the batch size) and ``disable_by_batch_size``
-(vLLM v0's ``speculative_disable_by_batch_size``: no drafts while more requests run).
+its recent acceptance rate and the batch size), ``disable_by_batch_size``
+(vLLM v0's ``speculative_disable_by_batch_size``: no drafts while more requests run)
+and ``draft_vocab_size`` (the draft scores only ids ``[0, N)``, FR-Spec's reduced
+draft vocabulary, SGLang's ``--speculative-token-map``; see ``draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class SpeculativeConfig:
     draft_length_policy: str = "fixed"
     disable_by_batch_size: int | None = None
     quantization: str = "auto"
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         method = self.method
@@ -94,6 +97,11 @@ class SpeculativeConfig:
                              f"{list(DRAFT_LENGTH_POLICIES)}, got {self.draft_length_policy!r}")
         if self.disable_by_batch_size is not None:
             _positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        if self.draft_vocab_size is not None:
+            _positive_int("draft_vocab_size", self.draft_vocab_size)
+            if method != "draft_model":
+                raise ValueError("speculative_config.draft_vocab_size is only for method "
+                                 "'draft_model'")
         if not isinstance(self.quantization, str):
             raise ValueError(f"speculative_config.quantization must be a string, "
                              f"got {self.quantization!r}")

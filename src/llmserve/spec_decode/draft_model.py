@@ -37,6 +37,7 @@ import torch
 from llmserve.layers.attention import CommonAttentionMetadata
 from llmserve.layers.batch_invariant import per_token_metadata
 from llmserve.layers.sampler import build_sampling_metadata, random_sample
+from llmserve.spec_decode.draft_vocab import pad_logits, restrict_draft_vocab
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.spec_decode.rejection_sampler import target_probs
 
@@ -78,13 +79,17 @@ def load_draft_model(config, tokenizer) -> torch.nn.Module:
     model_cls = get_model_class(draft_config.architecture)
     with torch.device(config.device):
         model = model_cls(draft_config, TORCH_DTYPES[config.dtype], config.attention_backend)
-    model.load_weights(iter_weights(source, draft_config, quantization=quant))
+    weights = iter_weights(source, draft_config, quantization=quant)
+    if sc.draft_vocab_size is not None:
+        weights = restrict_draft_vocab(model, sc.draft_vocab_size, weights)
+    model.load_weights(weights)
     if quant is not None:
         quant.process_model(model)
     model.eval()
-    logger.info("draft model %s (%s, %d layers, weights %s)", source.name,
-                draft_config.architecture, draft_config.num_hidden_layers,
-                quant.name if quant else "dense")
+    logger.info("draft model %s (%s, %d layers, weights %s, scoring %d of %d ids)",
+                source.name, draft_config.architecture, draft_config.num_hidden_layers,
+                quant.name if quant else "dense",
+                sc.draft_vocab_size or draft_config.vocab_size, draft_config.vocab_size)
     return model
 
 
@@ -100,6 +105,10 @@ def check_draft_config(draft_config, config) -> None:
             f"speculative_config.model: the draft's vocabulary ({draft_config.vocab_size} "
             f"tokens) differs from the target's ({target.vocab_size}); a draft must share "
             "the target's tokenizer")
+    num_ids = getattr(config.speculative_config, "draft_vocab_size", None)
+    if num_ids is not None and num_ids > target.vocab_size:
+        raise ValueError(f"speculative_config.draft_vocab_size ({num_ids}) exceeds the "
+                         f"vocabulary ({target.vocab_size})")
     max_len = config.scheduler_config.max_model_len
     if draft_config.max_context_len < max_len:
         raise ValueError(
@@ -270,7 +279,8 @@ class DraftModelProposer(Proposer):
                             torch.from_numpy(np.concatenate(pos_all)).to(dev),
                             self.kv_caches, attn_metadata)
         last = torch.from_numpy(qsl[1:] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last]).to(torch.float32)  # [B, V]
+        logits = pad_logits(self.model.compute_logits(hidden[last]).to(torch.float32),
+                            self.vocab_size)  # [B, V]
         states = [inputs[i][0] for i in order]
         meta = build_sampling_metadata(
             [s.sampling_params for s in states], [[]] * len(states), [[]] * len(states),
