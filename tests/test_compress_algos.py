@@ -70,6 +70,18 @@ def test_awq_output_error_beats_rtn():
     assert float(s[:4].mean()) > float(s[4:].mean())  # salient (outlier) channels scaled up
 
 
+def test_awq_keeps_weights_that_quantize_exactly():
+    """Weights already on the 4-bit grid have no rounding error: any scale but the
+    identity adds some, so the search returns s = 1 (the grid's r = 0 is 1 / w_mean,
+    not the identity, so without that candidate it could not)."""
+    codes = torch.randint(0, 16, (192, 256), generator=torch.Generator().manual_seed(2))
+    codes[:, ::64], codes[:, 1::64] = 0, 15  # every group spans the whole grid
+    x, w = _inputs(), (codes.float() - 8) / 16  # a power-of-two step: exact in float16
+    assert _err(x, w, fake_quantize(w, 4, 64)) == 0
+    s = awq.search_scales(x, [w], 4, 64)
+    assert torch.equal(s, torch.ones_like(s))
+
+
 def test_smoothquant_w8a8_error_beats_rtn():
     x, w = _inputs(outliers=6), _weight()
     ref = x @ w.t()

@@ -17,6 +17,7 @@ GGUF reader first, so quality is then relative to that dequantized source).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("mlp.down_proj",), "mlp.up_proj"),
 )
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+# AWQ scores a group's scales on this parent module's output (AutoAWQ's module2inspect)
+AWQ_PARENTS = {"self_attn.q_proj": "self_attn", "mlp.gate_proj": "mlp"}
 
 
 @dataclass
@@ -128,6 +131,15 @@ def record_inputs(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[A
     (``smoothquant``); returns the stats dict the hooks fill and their handles."""
     stats: dict[str, Any] = {}
     handles = []
+    if method == "awq":  # the attention block's call, to rerun it in the scale search
+        def attn_hook(_m, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            stats["shape"] = tuple(hidden.shape[:-1])
+            stats["self_attn.kwargs"] = {k: v for k, v in kwargs.items()
+                                         if k != "hidden_states"}
+
+        handles.append(layer.get_submodule("self_attn").register_forward_pre_hook(
+            attn_hook, with_kwargs=True))
     for names, _ in GROUPS:
         first = layer.get_submodule(names[0])
 
@@ -148,6 +160,38 @@ def record_inputs(layer: nn.Module, method: str) -> tuple[dict[str, Any], list[A
     return stats, handles
 
 
+@contextmanager
+def _holding(mods: list[nn.Module], weights: list[torch.Tensor]):
+    """The linears ``mods`` hold ``weights`` inside the block, their own ones after."""
+    saved = [m.weight.data for m in mods]
+    try:
+        for m, w in zip(mods, weights):
+            m.weight.data = w
+        yield
+    finally:
+        for m, w in zip(mods, saved):
+            m.weight.data = w
+
+
+def _awq_objective(layer: nn.Module, first: str, mods: list[nn.Module], x: torch.Tensor,
+                   stats: dict[str, Any]):
+    """The parent module's output on ``x [M, K]`` as a function of the group's weights
+    (None for a group scored on its own outputs)."""
+    parent = AWQ_PARENTS.get(first)
+    if parent is None or "shape" not in stats:
+        return None
+    module = layer.get_submodule(parent)
+    hidden = x.reshape(*stats["shape"], x.shape[-1])  # [S, L, K]
+    kwargs = stats.get(f"{parent}.kwargs", {})
+
+    def objective(weights: list[torch.Tensor]) -> torch.Tensor:
+        with _holding(mods, weights):
+            out = module(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    return objective
+
+
 def _awq_scale_layer(layer: nn.Module, stats: dict[str, Any],
                      opts: QuantizeOptions) -> dict[str, torch.Tensor]:
     """Search and fold every group's AWQ scales before any weight is quantized; returns
@@ -158,13 +202,15 @@ def _awq_scale_layer(layer: nn.Module, stats: dict[str, Any],
     (``v_proj`` for ``o_proj``, ``up_proj`` for ``down_proj``): dividing its rows by
     ``s`` after it was rounded would leave the checkpoint's codes without the ``1/s``
     (AutoAWQ's ``auto_scale`` -> ``apply_scale`` for all groups, then ``auto_clip``,
-    then quantization).
+    then quantization). q/k/v and gate/up are scored on their parent module's output
+    (:data:`AWQ_PARENTS`), searched before any fold changes that module.
     """
     inputs: dict[str, torch.Tensor] = {}
     for names, producer in GROUPS:
         mods = [layer.get_submodule(n) for n in names]
         x = torch.cat(stats[names[0]])
-        s = awq.search_scales(x, [m.weight for m in mods], opts.bits, opts.group_size)
+        s = awq.search_scales(x, [m.weight for m in mods], opts.bits, opts.group_size,
+                              objective=_awq_objective(layer, names[0], mods, x, stats))
         if _fold(layer.get_submodule(producer), s):
             with torch.no_grad():
                 for m in mods:
