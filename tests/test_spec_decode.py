@@ -177,6 +177,24 @@ def test_draft_vocab_subset_is_lossless(llm_fp32, reference):
     _all_free(llm)
 
 
+def test_adaptive_policy_times_its_costs_at_start_up(llm_fp32, reference):
+    """The adaptive policy starts from timed dummy steps (calibrate.py), not priors:
+    every batch-size bucket up to 8 has its step-time fit and draft cost before the
+    first request, and the dummy steps (block 0, slot 0) leave outputs unchanged."""
+    llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
+                                  "num_speculative_tokens": 3,
+                                  "draft_length_policy": "adaptive"}, draft=True)
+    cost_model = llm.engine.runner.spec_decoder.policy.cost_model
+    for batch in (1, 2, 4, 8):
+        a, b = cost_model.coefficients(batch)
+        assert a > 0 and b >= 0
+        assert cost_model.relative_cost(batch) > 0
+    assert cost_model.coefficients(16) is None  # larger buckets learn online
+    outs = llm.generate(PROMPTS + PROMPTS[:1], _params() + _params()[:1], use_tqdm=False)
+    assert _summary(outs) == reference
+    _all_free(llm)
+
+
 def test_seeded_sampling_same_alone_or_batched_and_aborts_free_blocks(llm_fp32):
     llm = _spec_engine(llm_fp32, {"method": "draft_model", "model": "self",
                                   "num_speculative_tokens": 3}, draft=True)

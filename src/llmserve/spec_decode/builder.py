@@ -8,7 +8,8 @@ from llmserve.spec_decode.verifier import SpecDecoder
 
 
 def build_spec_decoder(config: EngineConfig, runner, draft_model=None) -> SpecDecoder:
-    """The n-gram or draft-model proposer behind one verifier.
+    """The n-gram or draft-model proposer behind one verifier; with the adaptive
+    draft-length policy, its step costs timed first (``calibrate.py``).
 
     Raises:
         ValueError: method ``draft_model`` without a loaded draft model.
@@ -24,4 +25,9 @@ def build_spec_decoder(config: EngineConfig, runner, draft_model=None) -> SpecDe
         from llmserve.spec_decode.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config, runner, draft_model)
-    return SpecDecoder(sc, proposer)
+    spec = SpecDecoder(sc, proposer)
+    if sc.draft_length_policy == "adaptive":
+        from llmserve.spec_decode.calibrate import calibrate_step_costs
+
+        calibrate_step_costs(spec, runner, config.scheduler_config.max_num_seqs)
+    return spec

@@ -20,8 +20,9 @@ proposer's time per draft position gives ``t_draft``. Then, per request at batch
     cost(B) = (b * B + t_draft) / (a + b * B)     (one more row + a share of the draft
                                                    forward, over one plain decode step)
 
-so speculation turns itself off where verifying does not pay (the priors above stand
-in until the fit is ready).
+so speculation turns itself off where verifying does not pay. The engine seeds the fits
+of batch sizes up to 8 with timed dummy steps at start-up (``calibrate.py``); larger
+buckets use the priors above until they have timed 8 of their own steps.
 
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover. ``disable_by_batch_size`` turns

@@ -1,0 +1,80 @@
+"""Start-up timing of verification and draft steps for the adaptive draft-length policy.
+
+The adaptive policy (``policy.py``) weighs one more draft against what one more
+verified row and one more draft forward cost at the current batch size. Left to learn
+those costs online, each batch-size bucket runs on priors until it has timed 8 of its
+own steps, and on a CPU whose int8 kernels turn compute bound at a few rows, those
+steps (4 requests x 5 verified rows) cost 2-4x a plain decode step: the policy lost
+4-14 % at batch 4 before it knew better (docs/benchmarks.md). So the engine times
+dummy steps once at start-up, as vLLM's profile run does for memory::
+
+    one warm-up forward, then for B in 1, 2, 4, 8 (<= max_num_seqs):
+        for k in 0, 1, k_max:      target forward + logits, B * (k + 1) one-token rows
+        draft model only:          draft forward + logits, B one-token rows
+
+and feeds the times to :class:`~llmserve.spec_decode.policy.StepCostModel` as if
+they were steps (real steps then keep refining the fit). Every row is a one-token
+decode at position 0 writing slot 0 of block 0: no request holds a block yet, and
+a block's slots are written before any query reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llmserve.layers.attention import CommonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+MAX_BATCH = 8  # larger buckets learn online (from the priors): 16 x 5 rows take long
+
+
+
+@torch.inference_mode()
+def time_decode_rows(model: torch.nn.Module, kv_caches, rows: int, block_size: int,
+                     device) -> float:
+    """Seconds for ``model`` to run ``rows`` one-token decode rows and their logits."""
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.arange(rows + 1, dtype=torch.long, device=device),
+        seq_lens=torch.ones(rows, dtype=torch.long, device=device),
+        block_table=torch.zeros((rows, 1), dtype=torch.long, device=device),
+        slot_mapping=torch.zeros(rows, dtype=torch.long, device=device),
+        query_lens=[1] * rows, seq_lens_list=[1] * rows, num_decodes=rows,
+        max_query_len=1, max_seq_len=1, block_size=block_size,
+        sliding_window=getattr(model, "sliding_window", None))
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    metadata = model.attn_backend_cls.build_metadata(common)
+    hidden = model(ids, ids.clone(), kv_caches, metadata)
+    model.compute_logits(hidden).argmax(dim=-1).tolist()
+    return time.perf_counter() - t0
+
+
+def calibrate_step_costs(spec_decoder, runner, max_num_seqs: int) -> None:
+    """Seed ``spec_decoder.policy.cost_model`` with timed dummy steps (module doc)."""
+    policy, proposer = spec_decoder.policy, spec_decoder.proposer
+    ks = sorted({0, 1, policy.k_max})
+    draft = getattr(proposer, "model", None)
+    t0 = time.perf_counter()
+    time_decode_rows(runner.model, runner.kv_caches, 1, runner.block_size, runner.device)
+    batch = 1
+    while batch <= min(max_num_seqs, MAX_BATCH):
+        for k in ks:
+            rows = batch * (k + 1)
+            seconds = time_decode_rows(runner.model, runner.kv_caches, rows,
+                                       runner.block_size, runner.device)
+            for _ in range(-(-policy.cost_model.MIN_STEPS // len(ks))):
+                policy.cost_model.observe_step(rows, seconds, batch)
+        seconds = 0.0  # n-gram lookup: free next to a forward (real steps refine it)
+        if draft is not None:
+            seconds = time_decode_rows(draft, proposer.kv_caches, batch,
+                                       runner.block_size, runner.device)
+        policy.cost_model.observe_draft(1, seconds, batch)
+        batch *= 2
+    costs = {b: policy.cost_model.relative_cost(b) for b in (1, 2, 4, 8)
+             if b <= min(max_num_seqs, MAX_BATCH)}
+    logger.info("speculative decoding: timed start-up steps in %.1f s; one more draft "
+                "costs %s of a decode step by batch size", time.perf_counter() - t0,
+                {b: None if c is None else round(c, 2) for b, c in costs.items()})
