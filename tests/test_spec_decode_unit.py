@@ -356,6 +356,12 @@ def test_adaptive_policy_uses_measured_step_costs():
     assert model.coefficients(3) == pytest.approx((0.060, 0.030))
     assert model.relative_cost(4) == pytest.approx((0.12 + 0.01) / 0.18)
     assert model.coefficients(1) == pytest.approx((0.040, 0.020))  # batch 1 unchanged
+    # speculation turned off: 200 steps of 4 rows each, slower than the fit said; the
+    # slope stays (no fallback to the priors), the intercept follows the step time
+    for _ in range(200):
+        model.observe_step(4, 0.200, batch_size=4)
+    a4, b4 = model.coefficients(4)
+    assert b4 == pytest.approx(0.030) and a4 + 4 * b4 == pytest.approx(0.200, rel=1e-3)
 
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                               draft_length_policy="adaptive"))

@@ -49,6 +49,7 @@ class _Fit:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
         self.num_steps = 0
         self.draft_s: float | None = None
+        self.b: float | None = None  # the last slope fitted while rows varied
 
 
 class StepCostModel:
@@ -60,7 +61,9 @@ class StepCostModel:
     bound beyond), so a fit made on batch-1 steps underrates a batch of 4.
 
     :meth:`coefficients` is None until the bucket's row counts vary enough to fit ``b``
-    (weighted variance of rows >= ``MIN_ROWS_VAR``) over ``MIN_STEPS`` steps."""
+    (weighted variance of rows >= ``MIN_ROWS_VAR``) over ``MIN_STEPS`` steps; once
+    fitted, a bucket whose rows stop varying (speculation turned off) keeps its last
+    ``b`` instead of falling back to the priors, which would turn speculation on again."""
 
     DECAY = 0.97
     MIN_STEPS = 8
@@ -90,12 +93,14 @@ class StepCostModel:
         if f.num_steps < self.MIN_STEPS:
             return None
         var = f.xx / f.w - (f.x / f.w) ** 2
-        if var < self.MIN_ROWS_VAR:
+        if var >= self.MIN_ROWS_VAR:
+            f.b = max((f.xy / f.w - f.x * f.y / f.w ** 2) / var, 0.0)
+        elif f.b is None:
             return None
-        b = (f.xy / f.w - f.x * f.y / f.w ** 2) / var
-        b = max(b, 0.0)
-        a = max(f.y / f.w - b * f.x / f.w, 1e-6)
-        return a, b
+        # rows that stopped varying (speculation off: every step B rows) keep the last
+        # slope; the mean step time still moves the intercept
+        a = max(f.y / f.w - f.b * f.x / f.w, 1e-6)
+        return a, f.b
 
     def relative_cost(self, batch_size: int) -> float | None:
         """One more draft for every request, over one plain decode step at ``batch_size``."""
