@@ -19,8 +19,8 @@ gate/up; AutoAWQ's ``module2inspect``) or, for o/down, the linear itself. Each
 token's error is taken relative to its own output (ours; AutoAWQ and llm-compressor
 use the plain mean squared error): in Qwen2.5 a few tokens carry residual activations
 of several hundred (max |x| 324 from layer 6 on), so those tokens' error dominates
-the plain mean, and the scales it picked made the model worse
-than none (Qwen2.5-Coder-0.5B, group 32, next-token KL to the float model: RTN 0.144,
+the plain mean, and the scales it picked made the model worse than none
+(Qwen2.5-Coder-0.5B, group 32, next-token KL to the float model: RTN 0.144,
 plain-error scales 0.171, with clipping 0.162; token-relative with clipping 0.134;
 docs/compress.md).
 

@@ -4,9 +4,9 @@ The adaptive policy (``policy.py``) weighs one more draft against what one more
 verified row and one more draft forward cost at the current batch size. Left to learn
 those costs online, each batch-size bucket runs on priors until it has timed 8 of its
 own steps, and on a CPU whose int8 kernels turn compute bound at a few rows, those
-steps (4 requests x 5 verified rows) cost 2-4x a plain decode step: the policy lost
-4-14 % at batch 4 before it knew better (docs/benchmarks.md). So the engine times
-dummy steps once at start-up, as vLLM's profile run does for memory::
+steps (4 requests x 5 verified rows) cost several plain decode steps: the adaptive
+policy ran at 0.86-0.96x of plain decoding at batch 4 (docs/benchmarks.md). So the
+engine times dummy steps once at start-up, as vLLM's profile run does for memory::
 
     one warm-up forward, then for B in 1, 2, 4, 8 (<= max_num_seqs):
         for k in 0, 1, k_max:      target forward + logits, B * (k + 1) one-token rows
@@ -29,7 +29,6 @@ from llmserve.layers.attention import CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 8  # larger buckets learn online (from the priors): 16 x 5 rows take long
-
 
 
 @torch.inference_mode()
