@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.kernels.cpu_abi import GGUF_MATMUL_TYPES, X16_TILE_BYTES, _code, check_status
+from llmserve.kernels.hugepages import hugepage_empty
 
 
 def _gguf_call_args(what: str, layout: tuple[int, int, int] | None, qtype: str,
@@ -119,7 +120,8 @@ class GgufMatmulKernels:
         (uint8, the file's bytes; B = 256 weights a block, 32 for Q8_0 / Q5_0) -> its x16
         tiles ``[ceil(N / 16), K / B * tile_bytes]`` uint8 for :meth:`gguf_matmul_x16`
         (layouts: cpu_kernels_x16.c, cpu_kernels_x16_q32.c; as many bytes a row-block as
-        the file, 148 for Q4_K's 144; rows past N are zero).
+        the file, 148 for Q4_K's 144; rows past N are zero), on transparent huge pages
+        (:mod:`~llmserve.kernels.hugepages`: decode streams them every step).
 
         Raises:
             ValueError: another type, a shape that is not whole blocks, a non-CPU tensor.
@@ -130,8 +132,7 @@ class GgufMatmulKernels:
                 blocks.shape[1] % layout[2] or not blocks.is_contiguous() or not blocks.is_cpu:
             raise ValueError(f"gguf_repack_x16: {qtype} blocks {tuple(blocks.shape)} {blocks.dtype}")
         num_blocks = blocks.shape[1] // layout[2]
-        tiles = torch.empty(((n + 15) // 16, num_blocks * X16_TILE_BYTES[qtype]),
-                            dtype=torch.uint8)
+        tiles = hugepage_empty(((n + 15) // 16, num_blocks * X16_TILE_BYTES[qtype]))
         check_status(self._gguf_repack_x16(layout[0], blocks.data_ptr(), n,
                                            num_blocks * layout[1], tiles.data_ptr()),
                      "gguf_repack_x16")
