@@ -24,7 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.layers.batch_invariant import CHUNK_ROWS, chunked_linear
-from llmserve.layers.quantization.gguf_native import dense_linear
+from llmserve.layers.quantization.dense_prefill import (
+    PrepackedDenseWeight,
+    can_prepack,
+    dense_linear,
+)
 
 TOPICS = ["a chef", "a pilot", "a dragon", "a robot", "a sailor", "a teacher", "a cat", "a king",
           "a doctor", "a farmer", "a painter", "a spy", "a ghost", "a wizard", "a miner",
@@ -194,14 +198,40 @@ def test_chunked_linear_gives_each_row_the_same_bits_for_any_batch(dtype, in_fea
                                rtol=1e-2, atol=1e-2)
 
 
-def test_hybrid_dense_rows_bf16_same_bits_for_any_batch():
-    """gguf-hybrid's prompt rows: bf16 F.linear, one row run as two (dense_linear)."""
+@pytest.mark.parametrize("prepacked", [False, True])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 8960)])
+def test_hybrid_dense_rows_bf16_same_bits_for_any_batch(prepacked, shape):
+    """gguf-hybrid's prompt rows (dense_linear: fixed 64-row chunks), on the plain bf16
+    weight and on oneDNN's prepacked one: a row's bits do not depend on the rows beside
+    it; the two layouts agree to bf16 rounding."""
     gen = torch.Generator().manual_seed(1)
-    weight = (torch.randn(576, 1536, generator=gen) * 0.05).to(torch.bfloat16)
-    x = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
-    alone = torch.cat([dense_linear(x[i:i + 1], weight) for i in range(40)])
-    for m in (2, 3, 7, 16, 17, 40):
-        assert torch.equal(dense_linear(x[:m], weight), alone[:m]), m
+    weight = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(150, shape[1], generator=gen).to(torch.bfloat16)
+    w = weight
+    if prepacked:
+        if not can_prepack(weight):
+            pytest.skip("this torch build has no oneDNN")
+        w = PrepackedDenseWeight(weight)
+    alone = torch.cat([dense_linear(x[i:i + 1], w) for i in range(150)])
+    for m in (2, 3, 17, 64, 65, 150):
+        assert torch.equal(dense_linear(x[:m], w), alone[:m]), m
+    assert torch.equal(dense_linear(x[70:], w), alone[70:])  # other chunk positions
+    torch.testing.assert_close(alone.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_default_format_prepacks_prompt_rows(default_llm):
+    """The default engine runs its prompt rows on prepacked weights and keeps no plain
+    copy beside them (the ledger counts them once)."""
+    from llmserve.layers.quantization.gguf_native import GGUFNativeLinearMethod
+
+    methods = [(m, m.quant_method) for m in default_llm.engine.runner.model.modules()
+               if isinstance(getattr(m, "quant_method", None), GGUFNativeLinearMethod)]
+    if not methods or not can_prepack(torch.empty(1, 1, dtype=torch.bfloat16)) or \
+            default_llm.engine.config.dtype != "bfloat16":
+        pytest.skip("the default format here is not bf16 gguf-hybrid with oneDNN")
+    prepacked = [m for m, q in methods if q.prefill is not None]
+    assert len(prepacked) == 30 * 4  # qkv, o, gate_up, down of 30 layers
+    assert all(m.weight.device.type == "meta" for m in prepacked)
 
 
 def test_deterministic_flag_parses_and_refuses_what_it_cannot_run():

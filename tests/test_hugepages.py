@@ -36,6 +36,7 @@ def test_tensors_are_advised_aligned_and_disjoint(shape, dtype):
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
     nbytes = a.numel() * a.element_size()
     assert abs(a.data_ptr() - b.data_ptr()) >= nbytes  # no overlap
+    assert a.untyped_storage().nbytes() == nbytes  # its own storage (weights are counted so)
     assert "hg" in _vm_flags(a.data_ptr())  # madvise(MADV_HUGEPAGE) reached the kernel
     if nbytes > CHUNK_BYTES // 4:
         assert a.data_ptr() % HUGE_PAGE == 0  # a mapping of its own, on a 2 MiB boundary

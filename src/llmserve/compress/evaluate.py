@@ -87,6 +87,7 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "auto") -
     net.load_weights(iter_weights(source, config, quantization=quant))
     if quant is not None:
         quant.process_model(net)
+        quant.fix_layouts(net)
     net.eval()
     return LoadedModel(net, load_tokenizer(source), config, source.name,
                        quant.name if quant is not None else "dense")

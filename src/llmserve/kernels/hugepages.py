@@ -13,8 +13,9 @@ effect from ``mmap`` of the model file on a page-cache-backed THP filesystem.
 
 :func:`hugepage_empty` carves tensors out of 64 MiB advised mappings (one bump arena a
 process; a request over a chunk gets a mapping of its own), so many small weights
-do not each round up to 2 MiB. A tensor keeps its mapping alive (``torch.frombuffer``
-holds it); the arena is never freed, like the weights it holds. Where ``mmap`` has no
+do not each round up to 2 MiB. Each tensor has a storage of its own over its bytes
+(``torch.frombuffer``, which keeps the mapping alive); a mapping is unmapped when its
+last tensor goes. Where ``mmap`` has no
 ``MADV_HUGEPAGE`` (not Linux) it falls back to ``torch.empty``.
 """
 
@@ -32,35 +33,41 @@ ALIGN = 64  # bytes: one cache line, what the AVX-512 kernels load
 
 
 class _Arena:
-    """Bump allocator over advised anonymous mappings (not thread-safe alone: locked)."""
+    """Bump allocator over advised anonymous mappings. Each tensor it hands out has a
+    storage of its own (``torch.frombuffer`` with an offset and a count): what it
+    holds is counted per tensor, and the tensor keeps its mapping alive."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes
         self.lock = threading.Lock()
-        self.chunk: torch.Tensor | None = None  # uint8 view of the current mapping
-        self.used = 0
+        self.mapping: mmap.mmap | None = None
+        self.next = 0  # offset of the next free byte in the current mapping
+        self.end = 0
 
     @staticmethod
-    def _map(nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of ``nbytes`` starting on a 2 MiB boundary of a fresh mapping."""
+    def _map(nbytes: int) -> tuple[mmap.mmap, int]:
+        """A fresh advised mapping and the offset of its first 2 MiB boundary."""
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE,
                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mapping.madvise(mmap.MADV_HUGEPAGE)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8)
-        start = (-flat.data_ptr()) % HUGE_PAGE
-        return flat[start:start + nbytes]
+        address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+        return mapping, (-address) % HUGE_PAGE
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of uint8, 64-byte aligned, on advised huge-page memory."""
-        size = math.ceil(max(nbytes, 1) / ALIGN) * ALIGN
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        size = math.ceil(nbytes / ALIGN) * ALIGN
         if size > self.chunk_bytes // 4:  # large: its own mapping, no tail waste
-            return self._map(math.ceil(size / HUGE_PAGE) * HUGE_PAGE)[:nbytes]
+            mapping, start = self._map(math.ceil(size / HUGE_PAGE) * HUGE_PAGE)
+            return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
         with self.lock:
-            if self.chunk is None or self.used + size > self.chunk.numel():
-                self.chunk, self.used = self._map(self.chunk_bytes), 0
-            out = self.chunk[self.used:self.used + nbytes]
-            self.used += size
-        return out
+            if self.mapping is None or self.next + size > self.end:
+                self.mapping, self.next = self._map(self.chunk_bytes)
+                self.end = self.next + self.chunk_bytes
+            mapping, start = self.mapping, self.next
+            self.next += size
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
 
 
 _ARENA = _Arena()

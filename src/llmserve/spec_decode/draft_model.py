@@ -85,6 +85,7 @@ def load_draft_model(config, tokenizer) -> torch.nn.Module:
     model.load_weights(weights)
     if quant is not None:
         quant.process_model(model)
+        quant.fix_layouts(model)
     model.eval()
     logger.info("draft model %s (%s, %d layers, weights %s, scoring %d of %d ids)",
                 source.name, draft_config.architecture, draft_config.num_hidden_layers,

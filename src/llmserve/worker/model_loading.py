@@ -61,6 +61,8 @@ def load_model(config: EngineConfig, source: ModelSource, quantization: str,
         from llmserve.worker.layer_split import install_offload
 
         install_offload(model, config)
+    elif quant is not None:
+        quant.fix_layouts(model)
     return model, quant
 
 
@@ -76,6 +78,9 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     def add(t: torch.Tensor) -> None:
         nonlocal total
         if t.device.type == "meta":
+            return
+        if t.is_mkldnn:  # oneDNN's packed layout (dense_prefill.py): no storage to share
+            total += t.numel() * t.element_size()
             return
         st = t.untyped_storage()
         if st.data_ptr() not in seen:

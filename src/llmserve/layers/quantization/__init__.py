@@ -28,6 +28,7 @@ Usage (the engine does this when it loads a model)::
     model.load_weights(iter_weights(source, model_config, quantization=quant))
     if quant is not None:
         quant.process_model(model)
+        quant.fix_layouts(model)  # unless the layers will move (offload)
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class QuantizationConfig(ABC):
     Invariants: :attr:`gguf_raw_types` names the GGUF tensor types (ggml type
     names, e.g. ``"Q4_1"``) the loader must hand over undequantized; every other
     tensor arrives as float32. :meth:`get_linear_method` returns a fresh method
-    per layer. :meth:`process_model` runs once, after ``load_weights``.
+    per layer. :meth:`process_model` runs once, after ``load_weights``;
+    :meth:`fix_layouts` once after that, only where the layers stay where they are
+    (no offload, no layer split).
     """
 
     name: str = ""
@@ -112,3 +114,7 @@ class QuantizationConfig(ABC):
 
     def process_model(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Finish after all weights are loaded (e.g. pack a tied embedding for the LM head)."""
+
+    def fix_layouts(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Move weights into layouts that cannot be moved between devices or offload
+        slots (oneDNN's packed tensors); called only where the layers stay put."""

@@ -46,12 +46,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import get_cpu_kernels
-from llmserve.layers.batch_invariant import chunked_linear
 from llmserve.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
     QuantizedTensor,
     UnquantizedLinearMethod,
+)
+from llmserve.layers.quantization.dense_prefill import (
+    PrepackedDenseWeight,
+    can_prepack,
+    dense_linear,
 )
 from llmserve.layers.quantization.gguf_blocks import GGUFQuantizedTensor
 from llmserve.layers.quantization.gguf_cpu import (
@@ -142,6 +146,26 @@ class GGUFNativeConfig(QuantizationConfig):
                 logger.info("tied LM head runs %s natively (%.1f MiB packed)", src.qtype,
                             packed.nbytes() / 2**20)
 
+    def fix_layouts(self, model: nn.Module) -> None:
+        """gguf-hybrid: prepack the dense prompt-row copies (:func:`_prepack_prompt_rows`)."""
+        if self.dense_prefill and not self.int8_prefill:
+            _prepack_prompt_rows(model)
+
+
+def _prepack_prompt_rows(model: nn.Module) -> None:
+    """gguf-hybrid: each layer's dense prompt-row copy -> oneDNN's blocked layout, once
+    (:mod:`~llmserve.layers.quantization.dense_prefill`); the plain copy is dropped
+    (``layer.weight`` becomes ``meta``: shape and dtype kept, no memory)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, GGUFNativeLinearMethod) or method.packed_all_rows or \
+                method.prefill is not None or not can_prepack(module.weight) or \
+                module.weight.device.type == "meta":
+            continue
+        method.prefill = PrepackedDenseWeight(module.weight.data)
+        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
+                                                 device="meta"), requires_grad=False)
+
 
 class GGUFNativeLinearMethod(LinearMethodBase):
     """Packed int4 weight (see module doc); dense copy in ``layer.weight`` for gguf-hybrid.
@@ -160,6 +184,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         self.packed: Int4PackedWeight | GGUFBlockWeight | FusedNativeWeight | None = None
         self.packed_all_rows = False  # gguf-hybrid untied LM head of blocks (process_model)
         self.int8: Int8PrefillWeight | None = None  # gguf-hybrid's prompt rows (int8 mode)
+        self.prefill: PrepackedDenseWeight | None = None  # or them prepacked (process_model)
         self.sources: list[tuple[int, GGUFQuantizedTensor]] | None = None  # until process_model
         self.pending: list[tuple[int, GGUFQuantizedTensor]] = []
         # rows loaded densely before this method took over (a mixed fused layer)
@@ -224,7 +249,7 @@ class GGUFNativeLinearMethod(LinearMethodBase):
         if self.int8 is not None:
             return self.int8.matmul(x, bias)
         if self.config.dense_prefill and not self.packed_all_rows:
-            return dense_linear(x, layer.weight, bias)
+            return dense_linear(x, layer.weight if self.prefill is None else self.prefill, bias)
         if self.packed is None:
             raise RuntimeError("GGUF native layer used before all of its weight rows were loaded")
         y = self.packed.matmul(x)
@@ -236,19 +261,6 @@ def _all_block_weights(packed) -> bool:
     computed on its own: any M gives a row the same bits)."""
     parts = packed.parts if isinstance(packed, FusedNativeWeight) else [packed]
     return all(isinstance(p, GGUFBlockWeight) for p in parts)
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [M, K], weight [N, K], bias)`` -> ``[M, N]`` on zero-padded chunks of
-    exactly :data:`DENSE_CHUNK_ROWS` rows, so every GEMM call has one shape and a row's
-    bits never depend on M: oneDNN picks its kernel by M (its M = 1 GEMV, and with AMX
-    its bf16 GEMM also changes blocking with M; seen at N 576, K 1536, M 40 vs 2)."""
-    return chunked_linear(x, weight, bias, chunk_rows=DENSE_CHUNK_ROWS)
-
-
-# rows per GEMM call of dense_linear (a prompt chunk of 512 tokens is 8 calls)
-DENSE_CHUNK_ROWS = 64
 
 
 class Q8_0Weight:
