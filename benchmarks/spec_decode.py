@@ -13,7 +13,7 @@ Every engine shares the target's (and the draft's) loaded weights and has its ow
 KV cache; prefix caching is off so every run prefills alike. Each repetition runs
 every (batch size, prompt set) on every method, rotating the method order, so drift
 on a shared machine hits all alike. Reported: output tokens/s (end to end: prefill
-included), the ratio to no speculation, acceptance rate and mean acceptance length,
+included; batch 1 runs each prompt of the set alone, one after another), the ratio to no speculation, acceptance rate and mean acceptance length,
 and whether the greedy tokens equal those without speculation.
 
     .venv/bin/python benchmarks/spec_decode.py                    # batch 1, 4
@@ -90,12 +90,21 @@ def build_engines(args) -> dict[str, LLM]:
     return engines
 
 
-def run_once(llm: LLM, prompts: list[str], new_tokens: int) -> dict:
+def batches(prompts: list[str], bs: int) -> list[list[str]]:
+    """The set's prompts as batches of ``bs``: every prompt once when ``bs`` divides the
+    set (batch 1 runs each prompt alone, one after another), else one batch cycling
+    through the set."""
+    if len(prompts) % bs == 0:
+        return [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
+    return [[prompts[i % len(prompts)] for i in range(bs)]]
+
+
+def run_once(llm: LLM, groups: list[list[str]], new_tokens: int) -> dict:
     stats = llm.engine.spec_decoding_stats
     before = stats.as_dict() if stats else None
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = [o for group in groups for o in llm.generate(group, sp, use_tqdm=False)]
     elapsed = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"tokens_per_s": n / elapsed, "tokens": [o.outputs[0].token_ids for o in outs]}
@@ -151,7 +160,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--llama-cpp-prompts", type=int, default=1,
+    ap.add_argument("--llama-cpp-prompts", type=int, default=4,
                     help="prompts of each set llama.cpp runs (batch 1, one at a time)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -171,7 +180,7 @@ def main() -> int:
     for rep in range(args.reps):
         for bs in batch_sizes:
             for set_name, prompts in sets.items():
-                batch = [prompts[i % len(prompts)] for i in range(bs)]
+                batch = batches(prompts, bs)
                 order = names[rep % len(names):] + names[:rep % len(names)]
                 for name in order:
                     r = run_once(engines[name], batch, args.new_tokens)

@@ -42,7 +42,7 @@ _INCLUDES = [os.path.join(os.path.dirname(_SOURCE), name)
              for name in ("cpu_kernels_attn.c", "cpu_kernels_attn_scores.c", "cpu_kernels_kvq.c",
                           "cpu_kernels_kvc.c",
                           "cpu_kernels_vnni.c", "cpu_kernels_x16.c",
-                          "cpu_kernels_x16_q32.c")]
+                          "cpu_kernels_x16_q32.c", "cpu_kernels_x16_pass2.c")]
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-lm"]
 _OPENMP_FLAGS = ["-fopenmp"]  # threads from the libgomp PyTorch already loaded (see the C)
 _NATIVE_FLAGS = ["-march=native"]

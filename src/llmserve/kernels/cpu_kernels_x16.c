@@ -234,86 +234,40 @@ static inline __attribute__((always_inline)) void x16_rows(
         const int qtype, const uint8_t *restrict tiles, q8k_act a, const int32_t *bs32,
         int64_t M, int64_t K, float *y) {
     for (int64_t m0 = 0; m0 < M;) {
-        const int64_t mm = M - m0 < 4 ? M - m0 : 4;
+        const int64_t mm = M - m0 < X16_MAXM ? M - m0 : X16_MAXM;
         switch (mm) {
         X16_GROUP_CASE(qtype, 1)
         X16_GROUP_CASE(qtype, 2)
         X16_GROUP_CASE(qtype, 3)
-        default: x16_group(qtype, 4, tiles, a, bs32, K, m0, y + 16 * m0); break;
+        X16_GROUP_CASE(qtype, 4)
+        X16_GROUP_CASE(qtype, 5)
+        X16_GROUP_CASE(qtype, 6)
+        X16_GROUP_CASE(qtype, 7)
+        default: x16_group(qtype, X16_MAXM, tiles, a, bs32, K, m0, y + 16 * m0); break;
         }
         m0 += mm;
     }
 }
+
+/* y[16] = code row `row` (a second pass) against one group's tiles, over the blocks
+ * (= 256-spans) with fired[b] set only (cpu_kernels_x16_pass2.c) */
+static void x16_sparse_row(int qtype, const uint8_t *restrict tiles, q8k_act a,
+                           const int32_t *bs32, int64_t K, int64_t row, const uint8_t *fired,
+                           float *y) {
+    const int64_t nb = K / 256;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        if (!fired[b]) continue;
+        if (qtype == GGML_Q4_K)
+            x16_q4k_tile(1, tiles + b * X16_Q4K_TILE, a, K, nb, b, row, acc);
+        else
+            x16_q6k_tile(1, tiles + b * X16_Q6K_TILE, a, bs32, K, nb, b, row, acc);
+    }
+    _mm512_storeu_ps(y, qtype == GGML_Q4_K ? _mm512_sub_ps(acc[0], acc[1]) : acc[0]);
+}
 #endif
 
-/* Rows of x whose Q8_K codes would be too coarse get a second pass. A block whose
- * largest |x| is more than X16_OUTLIER_RATIO times its mean |x| (Qwen2's "massive
- * activations": up to 240x at a sequence's first token, where Q8_K alone moved the
- * 1.5B model's logits by up to 13) rounds most of its values to 0 or +-1. Such a row
- * is x = d q + r with |r| <= d / 2 per block; r is quantized to Q8_K too and computed
- * as one more row, and the row's output is y(d q) + y(r): about 15 bits of each block's
- * range instead of 8. The decision reads only the row itself (batch invariance). */
-#define X16_OUTLIER_RATIO 32.f
-
-static int x16_needs_second_pass(int dtype, const void *x, int64_t K) {
-    const size_t es = elem_size(dtype);
-    float xf[256];
-    for (int64_t b = 0; b < K; b += 256) {  /* spans of 256 (the last may be shorter) */
-        const int n = K - b < 256 ? (int)(K - b) : 256;
-        load_row(dtype, xf, (const char *)x + b * es, n);
-        float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < n; i++) {
-            const float v = fabsf(xf[i]);
-            amax = v > amax ? v : amax;
-            sum += v;
-        }
-        if (amax > X16_OUTLIER_RATIO * (sum / (float)n)) return 1;
-    }
-    return 0;
-}
-
-/* out[m, 16 gi ..] = the group's y rows (y row m at y + 16 m), plus each row's second
- * pass (row second[m] of y, when >= 0); rows past N are not stored */
-static inline void x16_store_group(int dtype, void *out, int64_t out_stride, const float *y,
-                                   const int64_t *second, int64_t M, int64_t N, int64_t gi) {
-    const int64_t nr = N - gi * 16 < 16 ? N - gi * 16 : 16;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t r = 0; r < nr; r++)
-            store(dtype, out, m * out_stride + gi * 16 + r,
-                  second[m] < 0 ? y[16 * m + r] : y[16 * m + r] + y[16 * second[m] + r]);
-}
-
-static inline q8k_act q8k_act_row(q8k_act a, int64_t row, int64_t K) {
-    q8k_act r = {a.q + row * K, a.d + row * (K / 256), a.bsum16 + row * (K / 16),
-                 a.bsum32 + row * (K / 32)};
-    return r;
-}
-
-/* quantizes the residual resid[K] into code row `row` of the driver's activations */
-typedef void (*x16_requant_fn)(const float *resid, int64_t K, int64_t row, void *ctx);
-
-/* The second pass of both drivers: each of the M rows whose span check fires gets its
- * residual x - d q (d one scale per `block` codes, row m of q/d) requantized by
- * `requant` into the next free code row; second[m] = that row, else -1. Returns the
- * rows of codes in all (M plus the second passes). resid: K floats of scratch. */
-static int64_t x16_second_pass(int dtype, const void *x, int64_t x_stride, int64_t M,
-                               int64_t K, int64_t block, const float *d, const int8_t *q,
-                               float *resid, int64_t *second, x16_requant_fn requant,
-                               void *ctx) {
-    const int64_t nb = K / block;
-    const size_t es = elem_size(dtype);
-    int64_t rows = M;
-    for (int64_t m = 0; m < M; m++) {
-        const char *xm = (const char *)x + m * x_stride * es;
-        second[m] = -1;
-        if (!x16_needs_second_pass(dtype, xm, K)) continue;
-        load_row(dtype, resid, xm, K);
-        for (int64_t i = 0; i < K; i++) resid[i] -= d[m * nb + i / block] * (float)q[m * K + i];
-        requant(resid, K, rows, ctx);
-        second[m] = rows++;
-    }
-    return rows;
-}
+#include "cpu_kernels_x16_pass2.c"
 
 static void q8k_requant(const float *resid, int64_t K, int64_t row, void *ctx) {
     q8k_quantize_rows(DT_F32, resid, K, 1, K, q8k_act_row(*(q8k_act *)ctx, row, K));
@@ -352,8 +306,14 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
     float *resid = (float *)(bs32 + R * (K / 16));
     q8k_quantize_rows(dtype, x, x_stride, M, K, a);
     int64_t second[16];
+    const int64_t spans = x16_num_spans(K);
+    uint8_t *fired = malloc((size_t)(M * spans));
+    if (!fired) {
+        free(buf);
+        return -2;
+    }
     const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 256, a.d, a.q, resid,
-                                         second, q8k_requant, &a);
+                                         second, fired, q8k_requant, &a);
     for (int64_t i = 0; i < rows * (K / 16); i++) bs32[i] = 32 * a.bsum16[i];
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
@@ -362,11 +322,16 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
         float y[32 * 16];
         const uint8_t *tiles = w + gi * gbytes;
         if (qtype == GGML_Q4_K)
-            x16_rows(GGML_Q4_K, tiles, a, bs32, rows, K, y);
+            x16_rows(GGML_Q4_K, tiles, a, bs32, M, K, y);
         else
-            x16_rows(GGML_Q6_K, tiles, a, bs32, rows, K, y);
+            x16_rows(GGML_Q6_K, tiles, a, bs32, M, K, y);
+        for (int64_t m = 0; m < M; m++)
+            if (second[m] >= 0)
+                x16_sparse_row(qtype, tiles, a, bs32, K, second[m], fired + m * spans,
+                               y + 16 * second[m]);
         x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
+    free(fired);
     free(buf);
     return 0;
 #endif
@@ -410,16 +375,27 @@ static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, c
     x16_q32_quantize_rows(dtype, x, x_stride, M, K, offset, q, d, ob);
     int64_t second[16];
     x16_q32_act act = {offset, q, d, ob};
-    const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 32, d, q, resid, second,
-                                         x16_q32_requant, &act);
+    const int64_t spans = x16_num_spans(K);
+    uint8_t *fired = malloc((size_t)(M * spans));
+    if (!fired) {
+        free(buf);
+        return -2;
+    }
+    x16_second_pass(dtype, x, x_stride, M, K, 32, d, q, resid, second, fired,
+                    x16_q32_requant, &act);
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
     for (int64_t gi = 0; gi < groups; gi++) {
         float y[32 * 16];
-        x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, rows, K, y);
+        x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, M, K, y);
+        for (int64_t m = 0; m < M; m++)
+            if (second[m] >= 0)
+                x16_q32_sparse_row(qtype, w + gi * gbytes, q, d, ob, K, second[m],
+                                   fired + m * spans, y + 16 * second[m]);
         x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
+    free(fired);
     free(buf);
     return 0;
 #endif
