@@ -310,6 +310,51 @@ def test_cli_flag_reaches_the_engine_config():
         method="ngram", num_speculative_tokens=2, draft_length_policy="adaptive")
 
 
+def _measure_plain_steps(policy, batch_sizes):
+    """The goodput guard's reference: plain steps at each batch size (goodput.py)."""
+    from llmserve.spec_decode.goodput import MIN_STEPS
+
+    for b in batch_sizes:
+        for _ in range(MIN_STEPS):
+            policy.guard.observe(b, 0.05, b, drafted=False)
+
+
+def test_goodput_guard_keeps_speculation_off_where_it_measured_slower():
+    from llmserve.spec_decode.goodput import MIN_STEPS, PROBE_EVERY, GoodputGuard
+    from llmserve.spec_decode.policy import DraftLengthPolicy
+
+    guard = GoodputGuard()
+    assert not guard.allows_drafts(1)  # plain steps are measured first
+    for _ in range(MIN_STEPS):
+        guard.observe(4, 0.080, 4, drafted=False)  # 20 ms a token
+    assert guard.allows_drafts(3) and guard.allows_drafts(4)  # one bucket: 3-4
+    assert not guard.allows_drafts(2) and not guard.allows_drafts(5)
+    for _ in range(MIN_STEPS):
+        guard.observe(4, 0.160, 7, drafted=True)  # 23 ms a token: slower
+    assert guard.seconds_per_token(4) == pytest.approx((0.020, 0.160 / 7))
+    assert not guard.allows_drafts(4)
+    for i in range(PROBE_EVERY):  # a probe after PROBE_EVERY plain steps
+        assert not guard.allows_drafts(4), i
+        guard.observe(4, 0.080, 4, drafted=False)
+    assert guard.allows_drafts(4)
+    for _ in range(30):  # probes that now pay: drafting stays on
+        guard.observe(4, 0.100, 8, drafted=True)
+    assert guard.allows_drafts(4)
+    guard.observe(4, 0.0, 0, drafted=True)  # no tokens: ignored
+    assert guard.allows_drafts(4)
+    # the policy asks the guard before the marginal rule
+    pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                              draft_length_policy="adaptive"))
+    for _ in range(10):
+        pol.observe("r", 4, 4)
+    assert pol.num_drafts("r", 1) == 0
+    _measure_plain_steps(pol, (1,))
+    assert pol.num_drafts("r", 1) == 4
+    for _ in range(MIN_STEPS):
+        pol.guard.observe(1, 0.2, 2, drafted=True)  # 100 ms a token against 50
+    assert pol.num_drafts("r", 1) == 0
+
+
 def test_adaptive_policy_follows_acceptance_and_batch():
     from llmserve.spec_decode.policy import DraftLengthPolicy
 
@@ -317,6 +362,7 @@ def test_adaptive_policy_follows_acceptance_and_batch():
     assert fixed.num_drafts("r", 200) == 5
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=5,
                                               draft_length_policy="adaptive"))
+    _measure_plain_steps(pol, (1, 40, 64))
     for _ in range(10):
         pol.observe("good", 5, 5)
         pol.observe("bad", 3, 0)
@@ -365,6 +411,7 @@ def test_adaptive_policy_uses_measured_step_costs():
 
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                               draft_length_policy="adaptive"))
+    _measure_plain_steps(pol, (1, 4))
     for _ in range(10):
         pol.observe("r", 4, 1)  # alpha = 0.5
     assert pol.num_drafts("r", 1) == 3  # priors: a draft costs 0.12 of a step

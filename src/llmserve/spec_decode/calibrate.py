@@ -13,7 +13,8 @@ engine times dummy steps once at start-up, as vLLM's profile run does for memory
         draft model only:          draft forward + logits, B one-token rows
 
 and feeds the times to :class:`~llmserve.spec_decode.policy.StepCostModel` as if
-they were steps (real steps then keep refining the fit). A ``block_size``-token
+they were steps (real steps then keep refining the fit). The goodput guard
+(``goodput.py``) takes real steps only: dummy steps leave out the engine's own work. A ``block_size``-token
 context is prefilled into block 0 first, and every dummy row is the one-token decode
 after it (slot 0 of block 1): no request holds a block yet, and a block's slots are
 written before any query reads them (what the dummy steps leave is never read).

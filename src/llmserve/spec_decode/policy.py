@@ -25,13 +25,17 @@ of batch sizes up to 8 with timed dummy steps at start-up (``calibrate.py``); la
 buckets use the priors above until they have timed 8 of their own steps.
 
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
-``PROBE_EVERY`` steps so its estimate can recover. ``disable_by_batch_size`` turns
+``PROBE_EVERY`` steps so its estimate can recover. Over the marginal rule sits a
+guard on measured goodput (``goodput.py``): in a batch-size bucket where steps with
+drafts measured more seconds per emitted token than steps without, no request drafts
+(bar a probe step now and then). ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
 """
 
 from __future__ import annotations
 
 from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.goodput import GoodputGuard
 
 DECAY = 0.8
 PROBE_EVERY = 8
@@ -120,6 +124,7 @@ class DraftLengthPolicy:
         self.disable_by_batch_size = config.disable_by_batch_size
         self.draft_cost = DRAFT_COST[config.method]
         self.cost_model = StepCostModel()
+        self.guard = GoodputGuard()
         self._counts: dict[str, list[float]] = {}  # req_id -> [S, F, steps since a draft]
 
     def alpha(self, req_id: str) -> float:
@@ -132,6 +137,8 @@ class DraftLengthPolicy:
             return 0
         if not self.adaptive:
             return self.k_max
+        if not self.guard.allows_drafts(batch_size):
+            return 0
         cost = self.cost_model.relative_cost(batch_size)
         if cost is None:  # priors until the engine has measured its own steps
             cost = self.draft_cost + batch_size / COMPUTE_BOUND_BATCH

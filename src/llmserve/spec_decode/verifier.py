@@ -46,6 +46,9 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.policy = DraftLengthPolicy(config)
+        # seconds of the last proposal (the drafts the next step verifies), None when it
+        # caught up on a prompt (goodput.py)
+        self._pending_draft_s: float | None = 0.0
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -90,8 +93,16 @@ class SpecDecoder:
                 self.policy.observe(state.req_id, k, len(tokens) - 1)
         if common.num_decodes == sched.total_num_scheduled_tokens:  # decode rows only:
             # the step's time to here (inputs, forward, sampling), by its rows
-            self.policy.cost_model.observe_step(len(input_ids), time.perf_counter() - t0,
-                                                len(sched.num_scheduled_tokens))
+            seconds, batch_size = time.perf_counter() - t0, len(sched.num_scheduled_tokens)
+            self.policy.cost_model.observe_step(len(input_ids), seconds, batch_size)
+            # goodput: with the proposal that made this step's drafts (None: a prompt's
+            # catch-up, not a cost of drafting; that step is left out)
+            drafted = any(ks)
+            if not drafted or self._pending_draft_s is not None:
+                self.policy.guard.observe(
+                    batch_size, seconds + (self._pending_draft_s if drafted else 0.0),
+                    sum(len(t) for t in emitted), drafted)
+        self._pending_draft_s = 0.0
         self._propose(runner, states, emitted, len(sched.num_scheduled_tokens), out)
         return out
 
@@ -155,8 +166,10 @@ class SpecDecoder:
             return
         t0 = time.perf_counter()
         drafts = self.proposer.propose(states, ks)
+        self._pending_draft_s = None
         if not self.proposer.last_propose_prefilled:  # a prompt's catch-up is no draft cost
-            self.policy.cost_model.observe_draft(max(ks), time.perf_counter() - t0, batch_size)
+            self._pending_draft_s = time.perf_counter() - t0
+            self.policy.cost_model.observe_draft(max(ks), self._pending_draft_s, batch_size)
         for state, d in zip(states, drafts):
             if d:
                 out.spec_token_ids[state.req_id] = list(d)
