@@ -327,13 +327,17 @@ def test_goodput_guard_keeps_speculation_off_where_it_measured_slower():
     assert not guard.allows_drafts(1)  # plain steps are measured first
     for _ in range(MIN_STEPS):
         guard.observe(4, 0.080, 4, drafted=False)  # 20 ms a token
-    assert guard.allows_drafts(3) and guard.allows_drafts(4)  # one bucket: 3-4
-    assert not guard.allows_drafts(2) and not guard.allows_drafts(5)
+    assert guard.allows_drafts(4)
+    assert not guard.allows_drafts(3) and not guard.allows_drafts(5)  # sizes not pooled
+    for _ in range(MIN_STEPS):
+        guard.observe(40, 1.0, 40, drafted=False)
+    assert guard.allows_drafts(33) and guard.allows_drafts(64)  # one bucket: 33-64
     for _ in range(MIN_STEPS):
         guard.observe(4, 0.160, 7, drafted=True)  # 23 ms a token: slower
     assert guard.seconds_per_token(4) == pytest.approx((0.020, 0.160 / 7))
     assert not guard.allows_drafts(4)
-    for i in range(PROBE_EVERY):  # a probe after PROBE_EVERY plain steps
+    assert guard.probe_every == PROBE_EVERY["ngram"] < PROBE_EVERY["draft_model"]
+    for i in range(guard.probe_every):  # a probe after probe_every plain steps
         assert not guard.allows_drafts(4), i
         guard.observe(4, 0.080, 4, drafted=False)
     assert guard.allows_drafts(4)

@@ -5,9 +5,10 @@ what rows and draft forwards cost. What that model leaves out (rejection samplin
 the draft's catch-up rows, Python per drafted token, kernels whose cost is not linear
 in rows) decides the sign where speculation is close to break-even, as at batch 4 on
 a CPU (0.87-0.98x measured with the model alone). So the policy also keeps, per
-batch-size bucket (1, 2, 3-4, 5-8, ...), what it matters for: the measured seconds
-per emitted token of decode-only steps that verified drafts and of steps that did
-not, each an exponentially weighted ratio of sums::
+batch size (each size up to 16, then 17-32, 33-64, ...: a plain step of 3 requests
+costs more a token than one of 4, so sizes are not pooled), what it matters for: the
+measured seconds per emitted token of decode-only steps that verified drafts and of
+steps that did not, each an exponentially weighted ratio of sums::
 
     spec   = sum(step time + the proposal that made its drafts) / sum(tokens emitted)
     plain  = sum(step time) / sum(tokens emitted)
@@ -15,7 +16,11 @@ not, each an exponentially weighted ratio of sums::
     plain not measured yet (MIN_STEPS)     -> no drafts (plain steps measure it)
     spec not measured yet                  -> drafts allowed (the marginal rule decides)
     spec > plain                           -> no drafts, except one probe step every
-                                              PROBE_EVERY plain steps (spec is re-measured)
+                                              ``probe_every`` plain steps (spec re-measured)
+
+A draft model's probe is dear: the draft has fallen behind by ``probe_every`` tokens
+a request and catches up through its prompt path. So it probes every 256 steps,
+n-gram lookup (free to resume) every 32.
 
 Ours; no anchor engine adapts to measured goodput. Only real steps count (the
 start-up timing of ``calibrate.py`` leaves out the engine's work around a forward,
@@ -27,7 +32,8 @@ from __future__ import annotations
 
 DECAY = 0.9
 MIN_STEPS = 3
-PROBE_EVERY = 32
+PROBE_EVERY = {"ngram": 32, "draft_model": 256}
+EXACT_UP_TO = 16  # batch sizes with a measurement of their own
 
 
 class _Bucket:
@@ -41,11 +47,14 @@ class _Bucket:
 class GoodputGuard:
     """Measured seconds per emitted token with and without drafts (module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe_every: int = PROBE_EVERY["ngram"]) -> None:
+        self.probe_every = probe_every
         self._buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self._buckets.setdefault((max(batch_size, 1) - 1).bit_length(), _Bucket())
+        b = max(batch_size, 1)
+        key = b if b <= EXACT_UP_TO else EXACT_UP_TO + (b - 1).bit_length()
+        return self._buckets.setdefault(key, _Bucket())
 
     def observe(self, batch_size: int, seconds: float, tokens: int, drafted: bool) -> None:
         """One decode-only step of ``batch_size`` requests: ``seconds`` (with the proposal
@@ -71,4 +80,4 @@ class GoodputGuard:
             return False
         if spec is None or spec <= plain:
             return True
-        return self._bucket(batch_size).plain_since_spec >= PROBE_EVERY
+        return self._bucket(batch_size).plain_since_spec >= self.probe_every

@@ -35,6 +35,7 @@ drafting off for every request while more requests are scheduled (both policies)
 from __future__ import annotations
 
 from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.goodput import PROBE_EVERY as GUARD_PROBE_EVERY
 from llmserve.spec_decode.goodput import GoodputGuard
 
 DECAY = 0.8
@@ -124,7 +125,7 @@ class DraftLengthPolicy:
         self.disable_by_batch_size = config.disable_by_batch_size
         self.draft_cost = DRAFT_COST[config.method]
         self.cost_model = StepCostModel()
-        self.guard = GoodputGuard()
+        self.guard = GoodputGuard(GUARD_PROBE_EVERY[config.method])
         self._counts: dict[str, list[float]] = {}  # req_id -> [S, F, steps since a draft]
 
     def alpha(self, req_id: str) -> float:
