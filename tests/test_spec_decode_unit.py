@@ -324,7 +324,12 @@ def test_goodput_guard_keeps_speculation_off_where_it_measured_slower():
     from llmserve.spec_decode.policy import DraftLengthPolicy
 
     guard = GoodputGuard()
-    assert not guard.allows_drafts(1)  # plain steps are measured first
+    assert guard.allows_drafts(1)  # batch 1: the marginal rule alone
+    for _ in range(MIN_STEPS):
+        guard.observe(1, 0.050, 1, drafted=False)
+        guard.observe(1, 0.500, 2, drafted=True)
+    assert guard.allows_drafts(1)
+    assert not guard.allows_drafts(2)  # plain steps are measured first
     for _ in range(MIN_STEPS):
         guard.observe(4, 0.080, 4, drafted=False)  # 20 ms a token
     assert guard.allows_drafts(4)
@@ -351,12 +356,12 @@ def test_goodput_guard_keeps_speculation_off_where_it_measured_slower():
                                               draft_length_policy="adaptive"))
     for _ in range(10):
         pol.observe("r", 4, 4)
-    assert pol.num_drafts("r", 1) == 0
-    _measure_plain_steps(pol, (1,))
-    assert pol.num_drafts("r", 1) == 4
+    assert pol.num_drafts("r", 2) == 0
+    _measure_plain_steps(pol, (2,))
+    assert pol.num_drafts("r", 2) == 4
     for _ in range(MIN_STEPS):
-        pol.guard.observe(1, 0.2, 2, drafted=True)  # 100 ms a token against 50
-    assert pol.num_drafts("r", 1) == 0
+        pol.guard.observe(2, 0.3, 3, drafted=True)  # 100 ms a token against 25
+    assert pol.num_drafts("r", 2) == 0
 
 
 def test_adaptive_policy_follows_acceptance_and_batch():
