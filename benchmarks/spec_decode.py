@@ -23,7 +23,8 @@ Every engine shares the target's (and the draft's) loaded weights and has its ow
 KV cache; prefix caching is off so every run prefills alike. Each repetition runs
 every (batch size, prompt set) on every method, rotating the method order, so drift
 on a shared machine hits all alike. Reported: output tokens/s (end to end: prefill
-included), the ratio to no speculation, acceptance rate and mean acceptance length,
+included) and decode tokens/s (batch size / TPOT, TPOT = (E2E - TTFT) / (tokens - 1): the
+issue's "decode tokens/s", without the prefill both share), each with its ratio to no speculation, acceptance rate and mean acceptance length,
 and whether the greedy tokens equal those without speculation.
 
     .venv/bin/python benchmarks/spec_decode.py                    # batch 1, 4
@@ -135,7 +136,10 @@ def run_once(llm: LLM, prompts: list[str], bs: int, new_tokens: int) -> dict:
     outs = run_concurrent(llm, prompts, bs, sp)
     elapsed = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"tokens_per_s": n / elapsed, "tokens": [o.outputs[0].token_ids for o in outs]}
+    # decode tokens/s: bs / TPOT, TPOT = (E2E - TTFT) / (tokens - 1) weighted by tokens
+    decode_s = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
+    res = {"tokens_per_s": n / elapsed, "tokens": [o.outputs[0].token_ids for o in outs],
+           "decode_tokens_per_s": bs * (n - len(outs)) / decode_s}
     if stats:
         after = stats.as_dict()
         drafts = after["num_drafts"] - before["num_drafts"]
@@ -160,12 +164,15 @@ def run_llama_cpp(args, prompts: list[str]) -> dict:
         llm = Llama(model_path=args.target, n_ctx=args.max_model_len, n_threads=args.threads,
                     verbose=False, draft_model=draft, seed=0)
         llm.create_completion(prompts[0], max_tokens=4, temperature=0.0)  # warm-up
-        rates = []
+        tokens = seconds = decode_tokens = decode_seconds = 0
         for p in prompts[:args.llama_cpp_prompts]:
             t0 = time.perf_counter()
-            r = llm.create_completion(p, max_tokens=args.new_tokens, temperature=0.0)
-            rates.append(r["usage"]["completion_tokens"] / (time.perf_counter() - t0))
-        out[name] = statistics.mean(rates)
+            stamps = [time.perf_counter() for _ in llm.create_completion(
+                p, max_tokens=args.new_tokens, temperature=0.0, stream=True)]  # a chunk a token
+            tokens, seconds = tokens + len(stamps), seconds + stamps[-1] - t0
+            decode_tokens += len(stamps) - 1
+            decode_seconds += stamps[-1] - stamps[0]
+        out[name] = (tokens / seconds, decode_tokens / decode_seconds)
         del llm
     return out
 
@@ -221,31 +228,36 @@ def main() -> int:
     rows = []
     print(f"\ntarget {args.target}\ndraft {args.draft}\nk={args.k}, {args.new_tokens} new "
           f"tokens, greedy, dtype {engines['off'].engine.config.dtype}, {args.reps} rep(s)\n")
-    print("| batch | prompts | method | tokens/s | vs off | acceptance | mean acc. len | "
-          "same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | prompts | method | tokens/s | vs off | decode tok/s | vs off | "
+          "acceptance | mean acc. len | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for bs in batch_sizes:
         for set_name in sets:
-            off = statistics.median(r["tokens_per_s"] for r in results[(bs, set_name, "off")])
-            ref = results[(bs, set_name, "off")][0]["tokens"]
+            base = results[(bs, set_name, "off")]
+            off = statistics.median(r["tokens_per_s"] for r in base)
+            off_dec = statistics.median(r["decode_tokens_per_s"] for r in base)
+            ref = base[0]["tokens"]
             for name in names:
                 rs = results[(bs, set_name, name)]
                 tps = statistics.median(r["tokens_per_s"] for r in rs)
+                dec = statistics.median(r["decode_tokens_per_s"] for r in rs)
                 acc = rs[0].get("acceptance_rate")
                 mal = rs[0].get("mean_acceptance_length")
                 same = all(r["tokens"] == ref for r in rs)
                 rows.append(dict(batch=bs, prompts=set_name, method=name, tokens_per_s=tps,
-                                 speedup=tps / off, acceptance_rate=acc,
+                                 speedup=tps / off, decode_tokens_per_s=dec,
+                                 decode_speedup=dec / off_dec, acceptance_rate=acc,
                                  mean_acceptance_length=mal, same_tokens=same))
                 print(f"| {bs} | {set_name} | {name} | {tps:.2f} | {tps / off:.2f}x | "
+                      f"{dec:.2f} | {dec / off_dec:.2f}x | "
                       f"{'-' if acc is None else f'{acc:.2f}'} | "
                       f"{'-' if mal is None else f'{mal:.2f}'} | {same} |")
     peers = {}
     if not args.no_llama_cpp and 1 in batch_sizes:
         for set_name, prompts in sets.items():
-            for name, tps in run_llama_cpp(args, prompts).items():
-                peers[f"{name} {set_name}"] = tps
-                print(f"| 1 | {set_name} | {name} | {tps:.2f} | | | | |")
+            for name, (tps, dec) in run_llama_cpp(args, prompts).items():
+                peers[f"{name} {set_name}"] = {"tokens_per_s": tps, "decode_tokens_per_s": dec}
+                print(f"| 1 | {set_name} | {name} | {tps:.2f} | | {dec:.2f} | | | | |")
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "llama_cpp": peers, "args": vars(args)}, f, indent=2)
