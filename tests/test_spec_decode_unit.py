@@ -417,6 +417,10 @@ def test_adaptive_policy_uses_measured_step_costs():
         model.observe_step(4, 0.200, batch_size=4)
     a4, b4 = model.coefficients(4)
     assert b4 == pytest.approx(0.030) and a4 + 4 * b4 == pytest.approx(0.200, rel=1e-3)
+    # a batch of 16 has no fit: what batch 4 measured is its floor
+    assert model.relative_cost(16) is None
+    assert model.smaller_batch_cost(16) == pytest.approx(model.relative_cost(4))
+    assert model.smaller_batch_cost(1) is None
 
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                               draft_length_policy="adaptive"))

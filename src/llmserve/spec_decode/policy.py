@@ -22,7 +22,8 @@ proposer's time per draft position gives ``t_draft``. Then, per request at batch
 
 so speculation turns itself off where verifying does not pay. The engine seeds the fits
 of batch sizes up to 8 with timed dummy steps at start-up (``calibrate.py``); larger
-buckets use the priors above until they have timed 8 of their own steps.
+buckets use the priors above until they have timed 8 of their own steps, floored at the
+cost measured for the largest smaller batch (a draft costs more as the batch grows).
 
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover. Over the marginal rule sits a
@@ -107,6 +108,18 @@ class StepCostModel:
         a = max(f.y / f.w - f.b * f.x / f.w, 1e-6)
         return a, f.b
 
+    def smaller_batch_cost(self, batch_size: int) -> float | None:
+        """The relative cost measured at the largest fitted bucket below ``batch_size``'s
+        (at that bucket's largest batch), or None: a lower bound for ``batch_size``, since
+        one more draft costs a larger share of a step as the batch grows."""
+        key = (max(batch_size, 1) - 1).bit_length()
+        for lower in range(key - 1, -1, -1):
+            if lower in self._fits:
+                cost = self.relative_cost(1 << lower)
+                if cost is not None:
+                    return cost
+        return None
+
     def relative_cost(self, batch_size: int) -> float | None:
         """One more draft for every request, over one plain decode step at ``batch_size``."""
         fit, draft_s = self.coefficients(batch_size), self._fit(batch_size).draft_s
@@ -141,8 +154,10 @@ class DraftLengthPolicy:
         if not self.guard.allows_drafts(batch_size):
             return 0
         cost = self.cost_model.relative_cost(batch_size)
-        if cost is None:  # priors until the engine has measured its own steps
-            cost = self.draft_cost + batch_size / COMPUTE_BOUND_BATCH
+        if cost is None:  # priors until the engine has measured its own steps, but never
+            # below what a smaller batch measured (buckets above the start-up timing's 8)
+            cost = max(self.draft_cost + batch_size / COMPUTE_BOUND_BATCH,
+                       self.cost_model.smaller_batch_cost(batch_size) or 0.0)
         if cost >= 1.0:
             return 0  # compute bound: a verified token costs as much as a decode step
         alpha = self.alpha(req_id)
