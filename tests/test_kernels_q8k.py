@@ -81,8 +81,8 @@ def quantize_per_32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantized_activations(q8k, qtype: str, x: torch.Tensor) -> torch.Tensor:
     """float64 ``[M, K]``: what the kernel multiplies, int8 codes * scales (per 256 for the
-    K-quants, per 32 for Q8_0 / Q5_0), plus, in each 256-span of a row whose max |x| is
-    over OUTLIER_RATIO times its mean |x|, the codes of its float32 rounding residual."""
+    K-quants, per 32 for Q8_0 / Q5_0), plus for an outlier row the codes of its float32
+    rounding residual."""
     m, k = x.shape
     per = 256 if qtype in K_QTYPES else 32
     quantize = q8k.q8k_quantize if per == 256 else quantize_per_32
@@ -91,14 +91,10 @@ def dequantized_activations(q8k, qtype: str, x: torch.Tensor) -> torch.Tensor:
     xq = first.double()
     for i in range(m):
         spans = x[i].float().abs().split(256)
-        fired = [bool(s.amax() > OUTLIER_RATIO * (s.sum() / s.numel())) for s in spans]
-        if not any(fired):
+        if not any(s.amax() > OUTLIER_RATIO * (s.sum() / s.numel()) for s in spans):
             continue
         c2, s2 = quantize((x[i:i + 1].float() - first[i:i + 1]).contiguous())
-        second = (c2.double().view(-1, per) * s2.double()[0, :, None]).view(k)
-        for j, f in enumerate(fired):
-            if f:
-                xq[i, 256 * j:256 * (j + 1)] += second[256 * j:256 * (j + 1)]
+        xq[i] += (c2.double().view(-1, per) * s2.double()[0, :, None]).view(k)
     return xq
 
 
@@ -181,13 +177,11 @@ def test_rows_do_not_depend_on_the_batch(q8k, qtype):
 def test_second_pass_keeps_massive_activation_rows_precise(q8k, qtype):
     """A lone massive activation (Qwen2's first token: up to 240x a block's mean) leaves
     Q8_K one code for most of its block; the second pass brings the row back to about
-    the float32 product of the unquantized x, as close as rows without outliers. Only
-    the outlier's 256-span runs twice: the other spans of row 1 keep 8-bit codes, like
-    row 0 (so one pass alone is 10x off, not more, on the per-32 types)."""
+    the float32 product of the unquantized x, as close as rows without outliers."""
     n, k = 64, 1024
     blocks = random_gguf_blocks(qtype, n, k, seed=4)
     w = torch.from_numpy(weights(qtype, blocks, k))
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, k)
     x[1, 17] = 240 * x[1, :256].abs().mean()
     exact = x.double() @ w.t()
     err = (x16(q8k, qtype, x, blocks).double() - exact).abs().amax(-1) / exact.abs().amax(-1)
@@ -195,7 +189,7 @@ def test_second_pass_keeps_massive_activation_rows_precise(q8k, qtype):
     codes, scales = (q8k.q8k_quantize if per == 256 else quantize_per_32)(x)
     one_pass = (codes.double().view(2, -1, per) * scales.double()[..., None]).view(2, k) @ w.t()
     err_one = (one_pass - exact).abs().amax(-1) / exact.abs().amax(-1)
-    assert err[1] < 2 * err[0] + 1e-6 and err_one[1] > 10 * err[1], (err, err_one)
+    assert err[1] < 2 * err[0] + 1e-6 and err_one[1] > 20 * err[1], (err, err_one)
 
 
 def test_repack_pads_rows_and_rejects_bad_input(q8k):

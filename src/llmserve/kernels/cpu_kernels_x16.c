@@ -248,23 +248,6 @@ static inline __attribute__((always_inline)) void x16_rows(
         m0 += mm;
     }
 }
-
-/* y[16] = code row `row` (a second pass) against one group's tiles, over the blocks
- * (= 256-spans) with fired[b] set only (cpu_kernels_x16_pass2.c) */
-static void x16_sparse_row(int qtype, const uint8_t *restrict tiles, q8k_act a,
-                           const int32_t *bs32, int64_t K, int64_t row, const uint8_t *fired,
-                           float *y) {
-    const int64_t nb = K / 256;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++) {
-        if (!fired[b]) continue;
-        if (qtype == GGML_Q4_K)
-            x16_q4k_tile(1, tiles + b * X16_Q4K_TILE, a, K, nb, b, row, acc);
-        else
-            x16_q6k_tile(1, tiles + b * X16_Q6K_TILE, a, bs32, K, nb, b, row, acc);
-    }
-    _mm512_storeu_ps(y, qtype == GGML_Q4_K ? _mm512_sub_ps(acc[0], acc[1]) : acc[0]);
-}
 #endif
 
 #include "cpu_kernels_x16_pass2.c"
@@ -306,14 +289,8 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
     float *resid = (float *)(bs32 + R * (K / 16));
     q8k_quantize_rows(dtype, x, x_stride, M, K, a);
     int64_t second[16];
-    const int64_t spans = x16_num_spans(K);
-    uint8_t *fired = malloc((size_t)(M * spans));
-    if (!fired) {
-        free(buf);
-        return -2;
-    }
     const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 256, a.d, a.q, resid,
-                                         second, fired, q8k_requant, &a);
+                                         second, q8k_requant, &a);
     for (int64_t i = 0; i < rows * (K / 16); i++) bs32[i] = 32 * a.bsum16[i];
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
@@ -322,16 +299,11 @@ int gguf_matmul_x16(int qtype, int dtype, void *out, int64_t out_stride, const v
         float y[32 * 16];
         const uint8_t *tiles = w + gi * gbytes;
         if (qtype == GGML_Q4_K)
-            x16_rows(GGML_Q4_K, tiles, a, bs32, M, K, y);
+            x16_rows(GGML_Q4_K, tiles, a, bs32, rows, K, y);
         else
-            x16_rows(GGML_Q6_K, tiles, a, bs32, M, K, y);
-        for (int64_t m = 0; m < M; m++)
-            if (second[m] >= 0)
-                x16_sparse_row(qtype, tiles, a, bs32, K, second[m], fired + m * spans,
-                               y + 16 * second[m]);
+            x16_rows(GGML_Q6_K, tiles, a, bs32, rows, K, y);
         x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
-    free(fired);
     free(buf);
     return 0;
 #endif
@@ -375,27 +347,16 @@ static int x16_q32_matmul(int qtype, int dtype, void *out, int64_t out_stride, c
     x16_q32_quantize_rows(dtype, x, x_stride, M, K, offset, q, d, ob);
     int64_t second[16];
     x16_q32_act act = {offset, q, d, ob};
-    const int64_t spans = x16_num_spans(K);
-    uint8_t *fired = malloc((size_t)(M * spans));
-    if (!fired) {
-        free(buf);
-        return -2;
-    }
-    x16_second_pass(dtype, x, x_stride, M, K, 32, d, q, resid, second, fired,
-                    x16_q32_requant, &act);
+    const int64_t rows = x16_second_pass(dtype, x, x_stride, M, K, 32, d, q, resid, second,
+                                         x16_q32_requant, &act);
     const int nt = num_threads < 1 ? 1 : num_threads;
     (void)nt;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * K >= 65536)
     for (int64_t gi = 0; gi < groups; gi++) {
         float y[32 * 16];
-        x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, M, K, y);
-        for (int64_t m = 0; m < M; m++)
-            if (second[m] >= 0)
-                x16_q32_sparse_row(qtype, w + gi * gbytes, q, d, ob, K, second[m],
-                                   fired + m * spans, y + 16 * second[m]);
+        x16_q32_rows(qtype, w + gi * gbytes, q, d, ob, rows, K, y);
         x16_store_group(dtype, out, out_stride, y, second, M, N, gi);
     }
-    free(fired);
     free(buf);
     return 0;
 #endif

@@ -161,21 +161,4 @@ static void x16_q32_rows(int qtype, const uint8_t *units, const int8_t *q, const
         m0 += mm;
     }
 }
-
-/* y[16] = code row `row` (a second pass) against one group's units, over the units of
- * the 256-spans with fired[span] set only (cpu_kernels_x16_pass2.c) */
-static void x16_q32_sparse_row(int qtype, const uint8_t *restrict units, const int8_t *q,
-                               const float *d, const int32_t *ob, int64_t K, int64_t row,
-                               const uint8_t *fired, float *y) {
-    const int ub = qtype == GGML_Q8_0 ? X16_Q8_0_UNIT : X16_Q5_0_UNIT;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / 32; b++) {
-        if (!fired[b / 8]) continue;
-        if (qtype == GGML_Q8_0)
-            x16_q32_unit(GGML_Q8_0, 1, units + b * ub, q, d, ob, K, b, row, &acc);
-        else
-            x16_q32_unit(GGML_Q5_0, 1, units + b * ub, q, d, ob, K, b, row, &acc);
-    }
-    _mm512_storeu_ps(y, acc);
-}
 #endif

@@ -39,11 +39,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor | PrepackedDenseWeight,
 
 def can_prepack(weight: torch.Tensor) -> bool:
     """True where :class:`PrepackedDenseWeight` takes ``weight``: a 2-D bfloat16 CPU
-    tensor with memory, in a build with oneDNN."""
+    tensor with memory, in a build with oneDNN, on a CPU where oneDNN runs bf16."""
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # oneDNN's bf16 needs the ISA
 
 
 class PrepackedDenseWeight:
