@@ -27,7 +27,7 @@ cost measured for the largest smaller batch (a draft costs more as the batch gro
 
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover. Over the marginal rule sits a
-guard on measured goodput (``goodput.py``): in a batch-size bucket where steps with
+guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
 drafts measured more seconds per emitted token than steps without, no request drafts
 (bar a probe step now and then). ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
