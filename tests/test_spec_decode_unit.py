@@ -16,6 +16,7 @@ from llmserve.layers.sampler import build_sampling_metadata, make_generator
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode import SpecDecodingStats, SpeculativeConfig, ngram_propose
 from llmserve.spec_decode.rejection_sampler import rejection_sample
+from tests.test_spec_decode_goodput import measure_plain_steps
 
 # ---------------------------------------------------------------- config
 
@@ -310,60 +311,6 @@ def test_cli_flag_reaches_the_engine_config():
         method="ngram", num_speculative_tokens=2, draft_length_policy="adaptive")
 
 
-def _measure_plain_steps(policy, batch_sizes):
-    """The goodput guard's reference: plain steps at each batch size (goodput.py)."""
-    from llmserve.spec_decode.goodput import MIN_STEPS
-
-    for b in batch_sizes:
-        for _ in range(MIN_STEPS):
-            policy.guard.observe(b, 0.05, b, drafted=False)
-
-
-def test_goodput_guard_keeps_speculation_off_where_it_measured_slower():
-    from llmserve.spec_decode.goodput import MIN_STEPS, PROBE_EVERY, GoodputGuard
-    from llmserve.spec_decode.policy import DraftLengthPolicy
-
-    guard = GoodputGuard()
-    assert guard.allows_drafts(1)  # batch 1: the marginal rule alone
-    for _ in range(MIN_STEPS):
-        guard.observe(1, 0.050, 1, drafted=False)
-        guard.observe(1, 0.500, 2, drafted=True)
-    assert guard.allows_drafts(1)
-    assert not guard.allows_drafts(2)  # plain steps are measured first
-    for _ in range(MIN_STEPS):
-        guard.observe(4, 0.080, 4, drafted=False)  # 20 ms a token
-    assert guard.allows_drafts(4)
-    assert not guard.allows_drafts(3) and not guard.allows_drafts(5)  # sizes not pooled
-    for _ in range(MIN_STEPS):
-        guard.observe(40, 1.0, 40, drafted=False)
-    assert guard.allows_drafts(33) and guard.allows_drafts(64)  # one bucket: 33-64
-    for _ in range(MIN_STEPS):
-        guard.observe(4, 0.160, 7, drafted=True)  # 23 ms a token: slower
-    assert guard.seconds_per_token(4) == pytest.approx((0.020, 0.160 / 7))
-    assert not guard.allows_drafts(4)
-    assert guard.probe_every == PROBE_EVERY["ngram"] < PROBE_EVERY["draft_model"]
-    for i in range(guard.probe_every):  # a probe after probe_every plain steps
-        assert not guard.allows_drafts(4), i
-        guard.observe(4, 0.080, 4, drafted=False)
-    assert guard.allows_drafts(4)
-    for _ in range(30):  # probes that now pay: drafting stays on
-        guard.observe(4, 0.100, 8, drafted=True)
-    assert guard.allows_drafts(4)
-    guard.observe(4, 0.0, 0, drafted=True)  # no tokens: ignored
-    assert guard.allows_drafts(4)
-    # the policy asks the guard before the marginal rule
-    pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
-                                              draft_length_policy="adaptive"))
-    for _ in range(10):
-        pol.observe("r", 4, 4)
-    assert pol.num_drafts("r", 2) == 0
-    _measure_plain_steps(pol, (2,))
-    assert pol.num_drafts("r", 2) == 4
-    for _ in range(MIN_STEPS):
-        pol.guard.observe(2, 0.3, 3, drafted=True)  # 100 ms a token against 25
-    assert pol.num_drafts("r", 2) == 0
-
-
 def test_adaptive_policy_follows_acceptance_and_batch():
     from llmserve.spec_decode.policy import DraftLengthPolicy
 
@@ -371,7 +318,7 @@ def test_adaptive_policy_follows_acceptance_and_batch():
     assert fixed.num_drafts("r", 200) == 5
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=5,
                                               draft_length_policy="adaptive"))
-    _measure_plain_steps(pol, (1, 40, 64))
+    measure_plain_steps(pol, (1, 40, 64))
     for _ in range(10):
         pol.observe("good", 5, 5)
         pol.observe("bad", 3, 0)
@@ -424,7 +371,7 @@ def test_adaptive_policy_uses_measured_step_costs():
 
     pol = DraftLengthPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                               draft_length_policy="adaptive"))
-    _measure_plain_steps(pol, (1, 4))
+    measure_plain_steps(pol, (1, 4))
     for _ in range(10):
         pol.observe("r", 4, 1)  # alpha = 0.5
     assert pol.num_drafts("r", 1) == 3  # priors: a draft costs 0.12 of a step
