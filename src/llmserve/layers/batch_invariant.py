@@ -36,16 +36,17 @@ CHUNK_ROWS = 16
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None,
-                   chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """``F.linear(x [M, K], weight [N, K], bias)`` -> ``[M, N]``, computed on zero-padded
-    chunks of exactly ``chunk_rows`` rows (every GEMM call has one shape)."""
+                   chunk_rows: int = CHUNK_ROWS, linear=F.linear) -> torch.Tensor:
+    """``linear(x [M, K], weight, bias)`` -> ``[M, N]`` (default ``F.linear``, weight
+    ``[N, K]``), computed on zero-padded chunks of exactly ``chunk_rows`` rows (every
+    GEMM call has one shape)."""
     m = x.shape[0]
     pad = -m % chunk_rows
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     if x.shape[0] == chunk_rows:
-        return F.linear(x, weight, bias)[:m]
-    return torch.cat([F.linear(c, weight, bias) for c in x.split(chunk_rows)])[:m]
+        return linear(x, weight, bias)[:m]
+    return torch.cat([linear(c, weight, bias) for c in x.split(chunk_rows)])[:m]
 
 
 class BatchInvariantLinearMethod(UnquantizedLinearMethod):

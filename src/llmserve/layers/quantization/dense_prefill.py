@@ -68,10 +68,10 @@ class PrepackedDenseWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` (``x``'s dtype must be bfloat16)."""
-        m = x.shape[0]
-        pad = -m % DENSE_CHUNK_ROWS
-        if pad or not x.is_contiguous():
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        outs = [torch.ops.mkldnn._linear_pointwise(c, self.packed, bias, "none", [], "")
-                for c in x.split(DENSE_CHUNK_ROWS)]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs))[:m]
+        return chunked_linear(x, self.packed, bias, DENSE_CHUNK_ROWS, _packed_linear)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk through oneDNN's packed-weight GEMM (contiguous rows, as it reads them)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

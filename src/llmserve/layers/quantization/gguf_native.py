@@ -159,9 +159,8 @@ def _prepack_prompt_rows(model: nn.Module) -> None:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if not isinstance(method, GGUFNativeLinearMethod) or method.packed_all_rows or \
-                method.prefill is not None or not can_prepack(module.weight) or \
-                module.weight.device.type == "meta":
-            continue
+                method.prefill is not None or not can_prepack(module.weight):
+            continue  # can_prepack: a CPU weight (not meta), bf16, oneDNN
         method.prefill = PrepackedDenseWeight(module.weight.data)
         module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
                                                  device="meta"), requires_grad=False)
