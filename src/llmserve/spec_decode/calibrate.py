@@ -99,9 +99,10 @@ def calibrate_step_costs(spec_decoder, runner, max_num_seqs: int) -> None:
             for _ in range(-(-policy.cost_model.MIN_STEPS // len(ks))):
                 policy.cost_model.observe_step(rows, seconds, batch)
         seconds = 0.0  # n-gram lookup: free next to a forward (real steps refine it)
-        if draft is not None:
-            seconds = time_decode_rows(draft, proposer.kv_caches, batch,
-                                       runner.block_size, runner.device)
+        if draft is not None:  # the median of 3: one forward of a small model is noisy
+            seconds = sorted(time_decode_rows(draft, proposer.kv_caches, batch,
+                                              runner.block_size, runner.device)
+                             for _ in range(3))[1]
         policy.cost_model.observe_draft(1, seconds, batch)
         batch *= 2
     costs = {b: policy.cost_model.relative_cost(b) for b in (1, 2, 4, 8)

@@ -26,8 +26,10 @@ buckets use the priors above until they have timed 8 of their own steps, floored
 cost measured for the largest smaller batch (a draft costs more as the batch grows).
 
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
-``PROBE_EVERY`` steps so its estimate can recover. Over the marginal rule sits a
-guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
+``PROBE_EVERY`` steps so its estimate can recover (8 for n-gram lookup; 64 for a draft
+model, whose probe first catches up on every token since its last draft: probing every
+8 steps cost 0.87x at batch 4); a request not measured yet probes at once. Over the
+marginal rule sits a guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
 drafts measured more seconds per emitted token than steps without, no request drafts
 (bar a probe step now and then). ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
@@ -40,7 +42,9 @@ from llmserve.spec_decode.goodput import PROBE_EVERY as GUARD_PROBE_EVERY
 from llmserve.spec_decode.goodput import GoodputGuard
 
 DECAY = 0.8
-PROBE_EVERY = 8
+# steps at k = 0 between two probes: a draft model's probe first catches up on the tokens
+# since its last draft (CATCH_UP_AS_DECODE: one forward a token), n-gram lookup's is free
+PROBE_EVERY = {"ngram": 8, "draft_model": 64}
 # per-draft cost relative to one target decode step: one more verified token (the n-gram
 # lookup itself is free), plus a draft forward of a model ~3x smaller for a draft model
 DRAFT_COST = {"ngram": 0.1, "draft_model": 0.25}
@@ -137,6 +141,7 @@ class DraftLengthPolicy:
         self.adaptive = config.draft_length_policy == "adaptive"
         self.disable_by_batch_size = config.disable_by_batch_size
         self.draft_cost = DRAFT_COST[config.method]
+        self.probe_every = PROBE_EVERY[config.method]
         self.cost_model = StepCostModel()
         self.guard = GoodputGuard(GUARD_PROBE_EVERY[config.method])
         self._counts: dict[str, list[float]] = {}  # req_id -> [S, F, steps since a draft]
@@ -168,9 +173,9 @@ class DraftLengthPolicy:
                 break
             k += 1
         counts = self._counts.setdefault(req_id, [0.0, 0.0, 0])
-        if k == 0:
+        if k == 0:  # a probe now and then; a request not measured yet probes at once
             counts[2] += 1
-            if counts[2] >= PROBE_EVERY:
+            if counts[2] >= self.probe_every or counts[0] + counts[1] == 0.0:
                 counts[2] = 0
                 return 1
         return k
