@@ -28,8 +28,8 @@ cost measured for the largest smaller batch (a draft costs more as the batch gro
 A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover (8 for n-gram lookup; 64 for a draft
 model, whose probe first catches up on every token since its last draft: probing every
-8 steps cost 0.87x at batch 4); a request not measured yet probes at once. Over the
-marginal rule sits a guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
+8 steps cost 0.87x at batch 4, and probing a new request at once, which makes the draft
+catch up on its whole prompt, 0.91x). Over the marginal rule sits a guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
 drafts measured more seconds per emitted token than steps without, no request drafts
 (bar a probe step now and then). ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
@@ -173,9 +173,9 @@ class DraftLengthPolicy:
                 break
             k += 1
         counts = self._counts.setdefault(req_id, [0.0, 0.0, 0])
-        if k == 0:  # a probe now and then; a request not measured yet probes at once
+        if k == 0:
             counts[2] += 1
-            if counts[2] >= self.probe_every or counts[0] + counts[1] == 0.0:
+            if counts[2] >= self.probe_every:
                 counts[2] = 0
                 return 1
         return k
