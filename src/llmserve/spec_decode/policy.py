@@ -29,9 +29,10 @@ A request whose ``k`` fell to 0 for low acceptance still drafts one token every
 ``PROBE_EVERY`` steps so its estimate can recover (8 for n-gram lookup; 64 for a draft
 model, whose probe first catches up on every token since its last draft: probing every
 8 steps cost 0.87x at batch 4, and probing a new request at once, which makes the draft
-catch up on its whole prompt, 0.91x). Over the marginal rule sits a guard on measured goodput (``goodput.py``): at a batch size (2 and up) where steps with
-drafts measured more seconds per emitted token than steps without, no request drafts
-(bar a probe step now and then). ``disable_by_batch_size`` turns
+catch up on its whole prompt, 0.91x). Over the marginal rule sits a guard on measured
+goodput (``goodput.py``): at a batch size (2 and up) where steps with drafts measured
+more seconds per emitted token than steps without, no request drafts (bar a probe step
+now and then). ``disable_by_batch_size`` turns
 drafting off for every request while more requests are scheduled (both policies).
 """
 
